@@ -1,0 +1,46 @@
+"""ipc: shared tensors, events and one-slot mailboxes between processes.
+
+Knows nothing of LLMs; never imports mpprefill.
+"""
+
+from ipc.codec import CodecError, decode, encode, message
+from ipc.events import EventTimeout, ShmEvent, ShmEventTable
+from ipc.handle import TensorHandle
+from ipc.mailbox import Channel, MailboxError, MailboxFull, MailboxTimeout, PeerDied
+from ipc.runtime import ipc_endpoint, new_prefix, pid_alive, runtime_dir
+from ipc.shm import (
+    install_signal_cleanup,
+    list_segments,
+    remove_prefix,
+    sweep_stale,
+    unlink_owned,
+)
+from ipc.tensor import SharedTensor, close_handle, open_handle
+
+__all__ = [
+    "Channel",
+    "CodecError",
+    "EventTimeout",
+    "MailboxError",
+    "MailboxFull",
+    "MailboxTimeout",
+    "PeerDied",
+    "SharedTensor",
+    "ShmEvent",
+    "ShmEventTable",
+    "TensorHandle",
+    "close_handle",
+    "decode",
+    "encode",
+    "install_signal_cleanup",
+    "ipc_endpoint",
+    "list_segments",
+    "message",
+    "new_prefix",
+    "open_handle",
+    "pid_alive",
+    "remove_prefix",
+    "runtime_dir",
+    "sweep_stale",
+    "unlink_owned",
+]

@@ -1,0 +1,67 @@
+"""Process-local runtime facts: private socket directory, instance prefixes, liveness."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+import tempfile
+
+_RUNTIME_ENV = "MPP_IPC_RUNTIME_DIR"
+
+
+def runtime_dir() -> str:
+    """A private (0700) directory for `ipc://` socket files, created on first use.
+
+    Children inherit the path through the environment, so every process of one
+    tree agrees on it.
+    """
+    path = os.environ.get(_RUNTIME_ENV)
+    if path is None:
+        path = tempfile.mkdtemp(prefix="mpp-ipc-")
+        os.environ[_RUNTIME_ENV] = path
+        creator = os.getpid()
+        atexit.register(lambda: os.getpid() == creator and shutil.rmtree(path, True))
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def ipc_endpoint(name: str) -> str:
+    """An `ipc://` address under the runtime dir; ZeroMQ caps the path at 107 bytes."""
+    path = os.path.join(runtime_dir(), name)
+    if len(path) > 107:
+        raise ValueError(f"ipc path too long ({len(path)} > 107 bytes): {path}")
+    return "ipc://" + path
+
+
+def new_prefix(tag: str = "mpp") -> str:
+    """A per-instance name prefix: `<tag>_<pid>_<random>`; sweeps key on the pid part."""
+    if not tag.replace("-", "").isalnum():
+        raise ValueError(f"prefix tag must be alphanumeric (dashes allowed): {tag!r}")
+    return f"{tag}_{os.getpid()}_{secrets.token_hex(3)}"
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped) counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return _kill0(pid)
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X")
+
+
+def _kill0(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,156 @@
+"""POSIX shared-memory segments (posix_ipc + mmap), owned and unlinked by their creator."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import mmap
+import os
+import threading
+
+import posix_ipc
+
+from ipc.runtime import pid_alive
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_counter = itertools.count()
+_owned: dict[str, int] = {}  # segment name -> owner pid
+_owned_lock = threading.Lock()
+
+
+class Segment:
+    """One mapped segment. The creator (`owner=True`) is the only one that unlinks it.
+
+    NOTE: tensors viewing the mapping keep the `mmap` object alive through their
+    storage; `close()` drops this object's reference instead of unmapping, so a
+    live view can never dangle.
+    """
+
+    __slots__ = ("name", "size", "owner", "_mm")
+
+    def __init__(self, name: str, size: int, owner: bool, mm: mmap.mmap):
+        self.name, self.size, self.owner, self._mm = name, size, owner, mm
+
+    @classmethod
+    def create(cls, prefix: str, size: int) -> Segment:
+        if size <= 0:
+            raise ValueError(f"segment size must be positive, got {size}")
+        name = f"/{prefix}.{os.getpid()}.{next(_counter)}"
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+        try:
+            mm = mmap.mmap(shm.fd, size)
+        except BaseException:
+            shm.close_fd()
+            posix_ipc.unlink_shared_memory(name)
+            raise
+        shm.close_fd()
+        with _owned_lock:
+            _owned[name] = os.getpid()
+        return cls(name, size, True, mm)
+
+    @classmethod
+    def open(cls, name: str) -> Segment:
+        shm = posix_ipc.SharedMemory(name)
+        size = shm.size
+        try:
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        return cls(name, size, False, mm)
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        if self._mm is None:
+            raise ValueError(f"segment {self.name} is closed")
+        return self._mm
+
+    def close(self) -> None:
+        self._mm = None
+
+    def unlink(self) -> None:
+        if not self.owner:
+            raise PermissionError(f"only the creator unlinks segment {self.name}")
+        unlink_segment(self.name)
+
+
+def unlink_segment(name: str) -> bool:
+    """Unlink by name; False if it was already gone."""
+    with _owned_lock:
+        _owned.pop(name, None)
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+def unlink_owned() -> int:
+    """Unlink every segment this process created and has not unlinked yet."""
+    pid = os.getpid()
+    with _owned_lock:
+        names = [n for n, p in _owned.items() if p == pid]
+    return sum(unlink_segment(n) for n in names)
+
+
+def list_segments(prefix: str) -> list[str]:
+    """Names (with leading '/') of existing segments whose name starts with `prefix`."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted("/" + e for e in entries if e.startswith(prefix))
+
+
+def sweep_stale(tag: str) -> list[str]:
+    """Remove segments of `tag` whose creating process no longer runs.
+
+    Names are `/<tag>_<...>.<creator pid>.<n>`. A starting owner calls this for its
+    own tag: segments survive SIGKILL, and only their creator would have unlinked them.
+    """
+    removed = []
+    for name in list_segments(tag + "_"):
+        parts = name.rsplit(".", 2)
+        pid = parts[1] if len(parts) == 3 else ""
+        if pid.isdigit() and not pid_alive(int(pid)) and unlink_segment(name):
+            removed.append(name)
+    if removed:
+        logger.info("removed %d stale shared segments of %s", len(removed), tag)
+    return removed
+
+
+def remove_prefix(prefix: str) -> int:
+    """Unlink all segments of one instance prefix (the owner's cleanup after a child died)."""
+    return sum(unlink_segment(n) for n in list_segments(prefix))
+
+
+atexit.register(unlink_owned)
+
+
+def install_signal_cleanup(signals: tuple[int, ...] | None = None) -> None:
+    """Unlink this process's segments on SIGTERM/SIGINT, then die of the same signal.
+
+    A handler already installed by the program (not the default) is kept and
+    chained after the unlink.
+    """
+    import signal
+
+    for sig in signals or (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+        signal.signal(sig, _make_handler(sig, previous))
+
+
+def _make_handler(sig: int, previous):
+    import signal
+
+    def handler(signum, frame):
+        unlink_owned()
+        if callable(previous):
+            previous(signum, frame)
+            return
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+
+    return handler

@@ -1,0 +1,1 @@
+"""mpprefill: the prefill side of a PD-disaggregated LLM server."""

@@ -1,0 +1,85 @@
+"""Per-request sampling parameters, parsed from the request protocol's `sampling_params`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SEED_LIMIT = 2**63
+# NOTE: temperatures below this are treated as greedy: dividing logits by them overflows.
+GREEDY_EPS = 1e-6
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"sampling_params.{name} must be a number, got {type(value).__name__}")
+    try:
+        out = float(value)
+    except OverflowError as e:
+        raise ValueError(f"sampling_params.{name} is out of range: {value!r}") from e
+    if not math.isfinite(out):
+        raise ValueError(f"sampling_params.{name} must be finite, got {value!r}")
+    return out
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"sampling_params.{name} must be an integer, got {type(value).__name__}")
+    return value
+
+
+def _require(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"sampling_params.{name} must be {rule}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request picks its next token. The prefill side samples exactly one."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            object.__setattr__(self, name, _number(name, getattr(self, name)))
+        _integer("top_k", self.top_k)
+        _integer("max_new_tokens", self.max_new_tokens)
+        if self.seed is not None:
+            _integer("seed", self.seed)
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        _require(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _require(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _require(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 or >= 1", self.top_k)
+        _require(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        _require(self.max_new_tokens >= 1, "max_new_tokens", ">= 1", self.max_new_tokens)
+        seed_ok = self.seed is None or 0 <= self.seed < SEED_LIMIT
+        _require(seed_ok, "seed", "null or an integer in [0, 2**63)", self.seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SamplingParams:
+        """Parse a JSON `sampling_params` object; every problem is a ValueError."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"sampling_params has unknown field(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

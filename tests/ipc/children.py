@@ -1,0 +1,80 @@
+"""Child-process entry points for the ipc tests (spawned, so they live in a module)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+import ipc
+
+
+@ipc.message
+@dataclass
+class Note:
+    seq: int
+    text: str = ""
+    handle: ipc.TensorHandle | None = None
+
+
+def pattern(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g)
+
+
+def echo(endpoint: str, parent: int) -> None:
+    """Take a handle, check its bytes, answer with a tensor of our own."""
+    ch = ipc.Channel(endpoint, bind=False, peer_pid=parent)
+    note = ch.get(timeout=10)
+    t = ipc.open_handle(note.handle)
+    same = torch.equal(t, pattern(note.handle.shape, note.seq))
+    again = ipc.open_handle(note.handle)
+    reused = again.data_ptr() == t.data_ptr() and ipc.tensor.num_open_mappings() == 1
+    own = ipc.SharedTensor.create(note.handle.shape, torch.float32, note.text)
+    own.tensor.copy_(pattern(note.handle.shape, note.seq + 1))
+    ch.put(Note(note.seq, f"{same}:{reused}", own.handle), timeout=10)
+    ch.get(timeout=10)  # parent is done reading
+    own.unlink()
+    ch.close()
+
+
+def hold(endpoint: str, parent: int, prefix: str, install_handlers: bool) -> None:
+    """Create segments under `prefix`, report, then wait to be stopped or released."""
+    if install_handlers:
+        ipc.install_signal_cleanup()
+    ch = ipc.Channel(endpoint, bind=False, peer_pid=parent)
+    segs = [ipc.SharedTensor.create((256,), torch.int64, prefix) for _ in range(3)]
+    ch.put(Note(len(segs)), timeout=10)
+    ch.get(timeout=30)
+    ch.close()
+
+
+def sleeper(endpoint: str, parent: int) -> None:
+    ch = ipc.Channel(endpoint, bind=False, peer_pid=parent)
+    ch.put(Note(0), timeout=10)
+    time.sleep(60)
+
+
+def slow_taker(endpoint: str, parent: int, delay: float) -> None:
+    ch = ipc.Channel(endpoint, bind=False, peer_pid=parent)
+    for _ in range(2):
+        time.sleep(delay)
+        note = ch.get(timeout=10)
+        if note.seq < 0:
+            break
+    ch.close()
+
+
+def event_setter(handle: ipc.TensorHandle, gen: int, delay: float) -> None:
+    table = ipc.ShmEventTable(ipc.open_handle(handle))
+    time.sleep(delay)
+    table[0].record(gen)
+
+
+def self_kill(endpoint: str, parent: int) -> None:
+    ch = ipc.Channel(endpoint, bind=False, peer_pid=parent)
+    ch.get(timeout=10)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import torch
+
+from mpprefill.sampling import PACKED_FIELDS, SamplingBatchInfo, SamplingParams
+
+VOCAB = 32
+
+
+def _params() -> list[SamplingParams]:
+    return [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.1, seed=11),
+        SamplingParams(temperature=1.2, top_k=64),
+        SamplingParams(temperature=0.5, seed=2**63 - 1),
+    ]
+
+
+def _info() -> SamplingBatchInfo:
+    return SamplingBatchInfo.from_params(_params(), VOCAB)
+
+
+def _same_tensors(a: SamplingBatchInfo, b: SamplingBatchInfo) -> bool:
+    return all(getattr(a, n) is getattr(b, n) for n in PACKED_FIELDS)
+
+
+def test_from_params_shapes_and_values() -> None:
+    info = _info()
+    assert info.batch_size == 4 and not info.all_greedy
+    assert info.temperatures.shape == (4, 1) and info.temperatures.dtype == torch.float32
+    assert info.top_ks.tolist() == [VOCAB, 5, VOCAB, VOCAB]
+    assert info.has_seed.tolist() == [False, True, False, True]
+    assert info.seeds.tolist() == [0, 11, 0, 2**63 - 1]
+    assert info.min_ps.tolist()[1] == torch.tensor(0.1).item()
+
+
+def test_all_greedy_and_empty() -> None:
+    greedy = [SamplingParams(), SamplingParams(temperature=3.0, top_k=1)]
+    assert SamplingBatchInfo.from_params(greedy, VOCAB).all_greedy
+    empty = SamplingBatchInfo.from_params([], VOCAB)
+    assert empty.batch_size == 0 and empty.temperatures.shape == (0, 1)
+
+
+def test_filter_in_place() -> None:
+    info = _info()
+    info.filter([3, 1])
+    assert info.batch_size == 2
+    assert info.seeds.tolist() == [2**63 - 1, 11]
+    assert info.top_ks.tolist() == [VOCAB, 5]
+    assert info.temperatures.shape == (2, 1)
+
+
+def test_copy_for_forward_drops_penalizer_and_shares_tensors() -> None:
+    info = _info()
+    info.penalizer = object()
+    copy = info.copy_for_forward()
+    assert copy is not info and copy.penalizer is None
+    assert info.penalizer is not None
+    assert _same_tensors(copy, info) and copy.all_greedy == info.all_greedy
+
+
+def test_copy_for_forward_idempotent() -> None:
+    info = _info()
+    info.penalizer = object()
+    once = info.copy_for_forward()
+    twice = once.copy_for_forward()
+    assert twice.penalizer is None and _same_tensors(once, twice)
+    assert twice.all_greedy == once.all_greedy
+
+
+def test_copy_isolated_from_later_filter() -> None:
+    info = _info()
+    before = {n: getattr(info, n).clone() for n in PACKED_FIELDS}
+    copy = info.copy_for_forward()
+    info.filter([2])
+    assert info.batch_size == 1 and copy.batch_size == 4
+    for name in PACKED_FIELDS:
+        assert torch.equal(getattr(copy, name), before[name])
+
+
+def test_pack_round_trip() -> None:
+    info = _info()
+    packed = info.to_tensors()
+    assert list(packed) == list(PACKED_FIELDS)
+    back = SamplingBatchInfo.from_tensors(packed)
+    for name in PACKED_FIELDS:
+        assert torch.equal(getattr(back, name), getattr(info, name))
+    assert back.all_greedy == info.all_greedy and back.penalizer is None
+
+
+def test_pack_through_staging_buffers() -> None:
+    specs = SamplingBatchInfo.tensor_specs(max_batch=8)
+    slot = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
+    info = _info()
+    for name, t in info.to_tensors().items():
+        slot[name][: info.batch_size].copy_(t)
+    back = SamplingBatchInfo.from_tensors(slot, batch_size=info.batch_size)
+    assert back.batch_size == 4
+    for name in PACKED_FIELDS:
+        assert torch.equal(getattr(back, name), getattr(info, name))
+    assert not back.all_greedy
+
+
+def test_from_tensors_recomputes_all_greedy() -> None:
+    greedy = SamplingBatchInfo.from_params([SamplingParams()] * 3, VOCAB)
+    assert SamplingBatchInfo.from_tensors(greedy.to_tensors()).all_greedy

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mpprefill.sampling import SamplingParams
+
+
+def test_defaults_are_greedy_single_token() -> None:
+    p = SamplingParams()
+    assert p.is_greedy and p.max_new_tokens == 1 and p.seed is None
+
+
+def test_from_dict_protocol_example() -> None:
+    d = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": None}
+    assert SamplingParams.from_dict(d) == SamplingParams()
+
+
+def test_from_dict_accepts_ints_for_floats() -> None:
+    p = SamplingParams.from_dict({"temperature": 1, "top_p": 1, "min_p": 0, "seed": 7})
+    assert isinstance(p.temperature, float) and p.temperature == 1.0
+    assert p.seed == 7 and not p.is_greedy
+
+
+def test_round_trip() -> None:
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=2**63 - 1)
+    assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+def test_missing_or_null_object_gives_defaults() -> None:
+    assert SamplingParams.from_dict({}) == SamplingParams()
+    assert SamplingParams.from_dict(None) == SamplingParams()
+
+
+def test_top_k_one_is_greedy() -> None:
+    assert SamplingParams(temperature=2.0, top_k=1).is_greedy
+
+
+BAD = [
+    ({"temprature": 1.0}, "temprature"),
+    ({"temperature": True}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "1.0"}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"temperature": None}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 5.0}, "top_k"),
+    ({"top_k": False}, "top_k"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.1}, "min_p"),
+    ({"min_p": -math.inf}, "min_p"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": True}, "seed"),
+    ({"seed": "7"}, "seed"),
+    ({"seed": 1.0}, "seed"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"temperature": 10**400}, "temperature"),
+]
+
+
+@pytest.mark.parametrize(("d", "field"), BAD)
+def test_from_dict_rejects(d: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.from_dict(d)
+
+
+@pytest.mark.parametrize("d", [[], "x", 3, [("temperature", 1.0)]])
+def test_from_dict_rejects_non_object(d: object) -> None:
+    with pytest.raises(ValueError, match="sampling_params"):
+        SamplingParams.from_dict(d)
+
+
+def test_constructor_validates_too() -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
