@@ -3,6 +3,7 @@
 Knows nothing of LLMs; never imports mpprefill.
 """
 
+from ipc.bundle import SharedBundle, open_bundle
 from ipc.codec import CodecError, decode, encode, message
 from ipc.events import EventTimeout, ShmEvent, ShmEventTable
 from ipc.handle import TensorHandle
@@ -18,6 +19,8 @@ from ipc.shm import (
 from ipc.tensor import SharedTensor, close_handle, open_handle
 
 __all__ = [
+    "SharedBundle",
+    "open_bundle",
     "Channel",
     "CodecError",
     "EventTimeout",

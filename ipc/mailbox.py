@@ -65,6 +65,7 @@ class Channel:
         self._inbox: deque[bytes] = deque()
         self._unacked = 0
         self.bytes_sent = 0
+        self.bytes_recv = 0
         self.msgs_sent = 0
         self.last_msg_bytes = 0
 
@@ -147,6 +148,7 @@ class Channel:
             if self._inbox:
                 raise MailboxError("peer broke the one-slot protocol (two unacked messages)")
             self._inbox.append(body)
+            self.bytes_recv += len(body)
         else:
             raise MailboxError(f"unknown frame kind {kind!r}")
 

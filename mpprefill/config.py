@@ -1,0 +1,137 @@
+"""Server configuration: one frozen dataclass, from which argparse takes defaults and help."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ahead")
+TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = _f(
+        None, "HF-style model dir (config.json + *.safetensors); default: the built-in tiny model"
+    )
+    forward_mode: str | None = _f(
+        None, "where run_batch runs and how it overlaps", choices=FORWARD_MODES
+    )
+    disable_overlap_schedule: bool = _f(False, "use the normal loop (no overlap)")
+    page_size: int = _f(16, "tokens per KV page")
+    chunked_prefill_size: int = _f(512, "max new tokens of one request per batch (-1: off)")
+    max_running_requests: int = _f(64, "max requests in one prefill batch")
+    max_total_tokens: int = _f(16384, "KV pool capacity in tokens")
+    max_prefill_tokens: int = _f(4096, "max new tokens in one prefill batch")
+    context_length: int | None = _f(None, "max prompt length (default: the model's)")
+    disaggregation_transfer_backend: str = _f(
+        "fake", "how KV reaches the decode side", choices=TRANSFER_BACKENDS
+    )
+    host: str = _f("127.0.0.1", "address the request socket binds to")
+    port: int = _f(30100, "request socket port")
+    decode_address: str | None = _f(None, "decode receiver address host:port (shm/mooncake)")
+    device: str = _f("cpu", "device of the forward worker", choices=("cpu", "cuda"))
+    worker_threads: int = _f(0, "torch threads for the forward (0: all cores)")
+    trace_dir: str | None = _f(None, "write Chrome trace JSON here")
+    check_invariants: bool = _f(False, "assert pool/cache invariants after every drain")
+    delay_sampling: bool = _f(False, "sample after the forward, as a separate worker step")
+    max_queued_requests: int = _f(4096, "waiting requests beyond this get 'overloaded'")
+    bootstrap_timeout: float = _f(30.0, "seconds a request may wait for its decode side")
+    random_seed: int = _f(0, "seed of the built-in model's weights")
+    log_level: str = _f("info", "logging level")
+
+    def __post_init__(self):
+        if self.forward_mode is not None and self.forward_mode not in FORWARD_MODES:
+            raise ValueError(f"--forward-mode must be one of {FORWARD_MODES}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"--page-size must be a power of two >= 1, got {self.page_size}")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
+            raise ValueError("--chunked-prefill-size must be -1 or >= --page-size")
+        for name in ("max_running_requests", "max_total_tokens", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_total_tokens < self.page_size:
+            raise ValueError("--max-total-tokens must hold at least one page")
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"--disaggregation-transfer-backend: one of {TRANSFER_BACKENDS}")
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_total_tokens // self.page_size
+
+    @property
+    def resolved_forward_mode(self) -> str:
+        return resolve_forward_mode(self.forward_mode, self.disable_overlap_schedule)
+
+    @classmethod
+    def add_cli_args(cls, ap: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kw = {"help": f.metadata.get("help", ""), "default": f.default}
+            if f.type in ("bool",) or isinstance(f.default, bool):
+                ap.add_argument(flag, action="store_true", help=kw["help"])
+                continue
+            kw["type"] = _arg_type(f)
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            ap.add_argument(flag, **kw)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace, **overrides) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in vars(args).items() if k in names}
+        kw.update(overrides)
+        return cls(**kw)
+
+    def replace(self, **kw) -> ServerArgs:
+        return dataclasses.replace(self, **kw)
+
+
+def _arg_type(f: dataclasses.Field):
+    t = str(f.type)
+    if t.startswith("int"):
+        return int
+    if t.startswith("float"):
+        return float
+    return str
+
+
+def resolve_forward_mode(
+    mode: str | None, disable_overlap: bool, env: dict[str, str] | None = None
+) -> str:
+    """--forward-mode wins; then --disable-overlap-schedule; then the env aliases.
+
+    SGLANG_ENABLE_PREFILL_FWD_THREAD=1 gives `thread`, plus
+    SGLANG_PREFILL_FWD_THREAD_AHEAD=1 `thread-ahead`; MPPREFILL_FORWARD_MODE names a
+    mode. With none of them: `proc-ahead`.
+    """
+    env = os.environ if env is None else env
+    if mode is not None:
+        if disable_overlap and mode != "normal":
+            raise ValueError(
+                f"--forward-mode {mode} needs the overlap schedule, "
+                "but --disable-overlap-schedule was given"
+            )
+        return mode
+    if disable_overlap:
+        return "normal"
+    named = env.get("MPPREFILL_FORWARD_MODE")
+    if named:
+        if named not in FORWARD_MODES:
+            raise ValueError(f"MPPREFILL_FORWARD_MODE={named!r}: one of {FORWARD_MODES}")
+        return named
+    if _truthy(env.get("SGLANG_ENABLE_PREFILL_FWD_THREAD")):
+        return "thread-ahead" if _truthy(env.get("SGLANG_PREFILL_FWD_THREAD_AHEAD")) else "thread"
+    return "proc-ahead"
+
+
+def _truthy(v: str | None) -> bool:
+    return (v or "").strip().lower() in ("1", "true", "yes", "on")

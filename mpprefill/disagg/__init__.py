@@ -1,0 +1,1 @@
+"""Disaggregation: bootstrap, KV senders, transfer backends and the decode receiver."""

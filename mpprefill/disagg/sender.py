@@ -1,0 +1,92 @@
+"""KV sender interface, the poll states, and the fake backend."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class KVPoll(enum.IntEnum):
+    """Sender states; across ranks the minimum wins."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class KVSender:
+    """One request's KV on its way to the decode side.
+
+    Calls on one sender always come from the scheduler thread, in order:
+    `init` once bootstrapped, then `send` for each page range, the last with
+    `last=True` (carrying the first token), while `poll` is asked every loop.
+    """
+
+    def init(self, num_pages: int, aux_index: int | None = None) -> None:
+        self.num_pages = num_pages
+
+    def send(
+        self,
+        page_indices: torch.Tensor,
+        last: bool = False,
+        first_token: int | None = None,
+        state_indices: torch.Tensor | None = None,
+    ) -> None:
+        raise NotImplementedError
+
+    def poll(self) -> KVPoll:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def failure_reason(self) -> str:
+        return "transfer failed"
+
+    def pop_decode_prefix_len(self) -> int:
+        return 0
+
+    def should_send_kv_chunk(self, num_pages: int, last: bool) -> bool:
+        return num_pages > 0
+
+
+class FakeSender(KVSender):
+    """Moves nothing: WaitingForInput until the last send, then Success."""
+
+    def __init__(self) -> None:
+        self.num_pages = 0
+        self.sent_pages: list[int] = []
+        self._done = self._aborted = False
+
+    def send(self, page_indices, last=False, first_token=None, state_indices=None) -> None:
+        self.sent_pages.extend(int(p) for p in page_indices)
+        self._done = self._done or last
+
+    def poll(self) -> KVPoll:
+        if self._aborted:
+            return KVPoll.Failed
+        return KVPoll.Success if self._done else KVPoll.WaitingForInput
+
+    def abort(self) -> None:
+        self._aborted = True
+
+    def failure_reason(self) -> str:
+        return "aborted"
+
+    def should_send_kv_chunk(self, num_pages: int, last: bool) -> bool:
+        return num_pages > 0 or last
+
+
+class FakeTransfer:
+    """Backend factory: every request is bootstrapped at once."""
+
+    name = "fake"
+
+    def create_sender(self, req) -> KVSender:
+        return FakeSender()
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""Memory: the KV pool, slot allocators and the radix prefix cache."""

@@ -1,0 +1,147 @@
+"""Model shape: one frozen dataclass, built in (tiny) or read from an HF config.json dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder. head_dim 0 means hidden_size // num_attention_heads."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    architecture: str = "LlamaForCausalLM"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        _require(self.max_position_embeddings > 0, "max_position_embeddings must be positive")
+        self._check_heads()
+        _require(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        _require(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
+        _require(
+            self.architecture in SUPPORTED_ARCHITECTURES,
+            f"architecture {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}",
+        )
+        _require(self.dtype in _DTYPES, f"dtype {self.dtype!r} is not one of {tuple(_DTYPES)}")
+
+    def _check_heads(self) -> None:
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        _require(heads > 0 and kv_heads > 0, f"head counts must be positive: {heads}, {kv_heads}")
+        _require(
+            heads % kv_heads == 0,
+            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})",
+        )
+        _require(self.head_dim >= 0, f"head_dim must be >= 0, got {self.head_dim}")
+        _require(
+            self.head_dim > 0 or self.hidden_size % heads == 0,
+            f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads ({heads})",
+        )
+        _require(self.head_size % 2 == 0, f"head dim must be even for rotary, got {self.head_size}")
+
+    @property
+    def head_size(self) -> int:
+        """The per-head dimension actually used (head_dim, or hidden // heads when 0)."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_size
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def tiny(cls) -> ModelConfig:
+        """The built-in default model: a 2048-token CPU forward well under a second."""
+        return cls()
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
+        """Build from an HF config.json dict (Llama or Qwen2); the checkpoint's dtype is cast."""
+        arch = _architecture(hf)
+        _check_supported_features(hf)
+        qwen2 = arch == "Qwen2ForCausalLM"
+        attn_bias = True if qwen2 else bool(hf.get("attention_bias", False))
+        missing = [k for k in _HF_KEYS if hf.get(k) is None]
+        _require(not missing, f"config.json lacks required keys: {missing}")
+        return cls(
+            **{k: hf[k] for k in _HF_KEYS},
+            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=int(hf.get("head_dim") or 0),
+            rope_theta=_rope_theta(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=attn_bias,
+            attention_out_bias=attn_bias and not qwen2,
+            architecture=arch,
+            dtype=dtype,
+        )
+
+
+_HF_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else _MODEL_TYPES.get(hf.get("model_type", ""), "")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch or hf.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _check_supported_features(hf: dict[str, Any]) -> None:
+    act = hf.get("hidden_act", "silu")
+    _require(act == "silu", f"hidden_act {act!r} is not supported (only 'silu')")
+    _require(not hf.get("mlp_bias", False), "mlp_bias=true is not supported")
+    _require(not hf.get("use_sliding_window", False), "sliding-window attention is not supported")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = hf.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        _require(kind == "default", f"{key} of type {kind!r} is not supported (only default)")
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    # NOTE: newer config.json files keep theta under rope_parameters instead of the top level.
+    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta")
+    return float(theta or 10000.0)

@@ -1,0 +1,121 @@
+"""ForwardBatch: the tensors that describe one ragged prefill batch to the model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+# NOTE: B requests, T = sum(extend_lens) new tokens; request r has prefix p_r and extend e_r.
+#
+#   tensor                                  length           contents
+#   input_ids / positions / out_cache_loc   T                req 0's e_0 | req 1's e_1 | ...
+#   prefix_lens / extend_lens               B
+#   kv_indices                              sum(p_r + e_r)   (p_0 | e_0) | (p_1 | e_1) | ...
+#
+# The new-token part of request r's kv_indices range equals its slice of out_cache_loc.
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    kv_indices: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.extend_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.prefix_lens + self.extend_lens
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        """Row of each request's last new token in the [T] token dimension."""
+        return torch.cumsum(self.extend_lens, 0) - 1
+
+    @classmethod
+    def build(
+        cls,
+        input_ids: Sequence[Sequence[int]],
+        prefix_lens: Sequence[int],
+        kv_slots: Sequence[Sequence[int]],
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """From per-request new token ids, prefix lengths and whole-sequence KV slots."""
+        same = len(input_ids) == len(prefix_lens) == len(kv_slots)
+        _check(same, "input_ids, prefix_lens and kv_slots need one entry per request")
+        for ids, p, slots in zip(input_ids, prefix_lens, kv_slots, strict=True):
+            _check(len(slots) == p + len(ids), "each kv_slots row needs prefix + extend slots")
+        new_slots = [list(s)[p:] for s, p in zip(kv_slots, prefix_lens, strict=True)]
+        positions = [
+            list(range(p, p + len(ids))) for ids, p in zip(input_ids, prefix_lens, strict=True)
+        ]
+        fb = cls(
+            input_ids=_flat(input_ids, device),
+            positions=_flat(positions, device),
+            out_cache_loc=_flat(new_slots, device),
+            prefix_lens=_long(prefix_lens, device),
+            extend_lens=_long([len(ids) for ids in input_ids], device),
+            kv_indices=_flat(kv_slots, device),
+        )
+        fb.validate(deep=True)
+        return fb
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        return ForwardBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def validate(self, deep: bool = False) -> None:
+        """Check dtypes and lengths; deep also checks contents (positions, slots)."""
+        for f in fields(self):
+            t = getattr(self, f.name)
+            _check(t.dim() == 1 and t.dtype == torch.int64, f"{f.name} must be 1-D int64")
+        b, t = self.batch_size, self.num_tokens
+        _check(self.prefix_lens.shape[0] == b, "prefix_lens and extend_lens differ in length")
+        for name in ("positions", "out_cache_loc"):
+            _check(getattr(self, name).shape[0] == t, f"{name} length != len(input_ids) ({t})")
+        _check(b == 0 or int(self.extend_lens.min()) >= 1, "every extend_len must be >= 1")
+        _check(b == 0 or int(self.prefix_lens.min()) >= 0, "prefix_lens must be >= 0")
+        _check(int(self.extend_lens.sum()) == t, "sum(extend_lens) != number of new tokens")
+        _check(
+            self.kv_indices.shape[0] == int(self.seq_lens.sum()),
+            "kv_indices length != sum(prefix_lens + extend_lens)",
+        )
+        if deep:
+            self._validate_contents()
+
+    def _validate_contents(self) -> None:
+        starts = torch.repeat_interleave(self.prefix_lens, self.extend_lens)
+        token_offsets = torch.arange(self.num_tokens, device=self.input_ids.device)
+        token_offsets -= torch.repeat_interleave(
+            torch.cumsum(self.extend_lens, 0) - self.extend_lens, self.extend_lens
+        )
+        _check(torch.equal(self.positions, starts + token_offsets), "positions != prefix + i")
+        seq_ends = torch.cumsum(self.seq_lens, 0)
+        new_rows = torch.repeat_interleave(seq_ends - self.extend_lens, self.extend_lens)
+        _check(
+            torch.equal(self.kv_indices[new_rows + token_offsets], self.out_cache_loc),
+            "kv_indices new-token part != out_cache_loc",
+        )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"ForwardBatch: {message}")
+
+
+def _long(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64, device=device)
+
+
+def _flat(rows: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
+    return _long([v for row in rows for v in row], device)

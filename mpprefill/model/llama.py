@@ -1,0 +1,179 @@
+"""Llama / Qwen2 decoder over a paged KV cache, prefill only."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model.config import ModelConfig
+from mpprefill.model.forward_batch import ForwardBatch
+
+
+class Span(NamedTuple):
+    """One request of a ragged batch: its rows of the new tokens and its whole-sequence slots."""
+
+    rows: slice
+    kv_slots: Tensor
+    mask: Tensor | None
+    causal: bool
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_head, self.n_kv_head = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_size
+        self.sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.wqkv = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
+        self.wo = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_out_bias)
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], kv: KVCache, locs: Tensor, spans: list[Span]
+    ) -> Tensor:
+        n = x.shape[0]
+        q, k, v = self.wqkv(x).split(self.sizes, dim=-1)
+        q = apply_rope(q.view(n, self.n_head, self.head_dim), *rope)
+        k = apply_rope(k.view(n, self.n_kv_head, self.head_dim), *rope)
+        kv.write(self.layer_id, locs, k, v.view(n, self.n_kv_head, self.head_dim))
+        out = torch.empty_like(q)
+        k_pool, v_pool = kv.k(self.layer_id), kv.v(self.layer_id)
+        for s in spans:
+            k_seq, v_seq = k_pool[s.kv_slots], v_pool[s.kv_slots]
+            out[s.rows] = attend(q[s.rows], k_seq.to(q.dtype), v_seq.to(q.dtype), s)
+        return self.wo(out.view(n, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.attention = Attention(config, layer_id)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], kv: KVCache, locs: Tensor, spans: list[Span]
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, kv, locs, spans)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Weights start uninitialised: call init_random_weights() or load a state dict."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):
+            self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+            blocks = (TransformerBlock(config, i) for i in range(config.num_hidden_layers))
+            self.layers = nn.ModuleList(blocks)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.to(config.torch_dtype).to_empty(device=device)
+        if config.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.requires_grad_(False).eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @torch.inference_mode()
+    def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Seeded normal(0, std) weights and unit norms; same seed, same bits, any process."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if isinstance(self.get_submodule(name.rpartition(".")[0]), RMSNorm):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, kv: KVCache) -> Tensor:
+        """Float32 logits [B, vocab] at each request's last new token."""
+        x = self.tok_embeddings(fb.input_ids)
+        rope = rope_cos_sin(fb.positions, self.config.head_size, self.config.rope_theta)
+        spans = ragged_spans(fb)
+        for layer in self.layers:
+            x = layer(x, rope, kv, fb.out_cache_loc, spans)
+        x = x[fb.last_token_indices]
+        return self.output(self.norm(x)).float()
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, head_dim] in float32, halves repeated (the HF rotate_half convention)."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [T, heads, head_dim] by its token's angles."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, span: Span) -> Tensor:
+    """q [e, H, D] over k, v [prefix + e, H_kv, D]; returns [e, H, D]."""
+    # NOTE: 4-D [1, heads, len, dim] inputs; 3-D ones take the slow math kernel on the CPU.
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=span.mask, is_causal=span.causal, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def ragged_spans(fb: ForwardBatch) -> list[Span]:
+    """Per-request row ranges, KV slots and masks, computed once per forward for all layers."""
+    spans, row, kv_start = [], 0, 0
+    for prefix, extend in zip(fb.prefix_lens.tolist(), fb.extend_lens.tolist(), strict=True):
+        kv_end = kv_start + prefix + extend
+        mask = prefix_causal_mask(prefix, extend, fb.input_ids.device)
+        causal = prefix == 0 and extend > 1
+        spans.append(Span(slice(row, row + extend), fb.kv_indices[kv_start:kv_end], mask, causal))
+        row, kv_start = row + extend, kv_end
+    return spans
+
+
+def prefix_causal_mask(prefix: int, extend: int, device: torch.device) -> Tensor | None:
+    """Boolean [extend, prefix + extend]: new token i sees keys j <= prefix + i.
+
+    None when no mask is needed (no prefix: plain causal; one new token: sees everything).
+    """
+    if prefix == 0 or extend == 1:
+        return None
+    keys = torch.arange(prefix + extend, device=device)
+    queries = torch.arange(prefix, prefix + extend, device=device)
+    return keys[None, :] <= queries[:, None]

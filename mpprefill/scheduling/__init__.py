@@ -1,0 +1,1 @@
+"""Scheduling: requests, batches, admission, the scheduler and its six loops."""

@@ -1,0 +1,40 @@
+"""DESIGN.md's invariants after a drain, as assertions."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpprefill.scheduling.scheduler import Scheduler
+
+
+class InvariantError(AssertionError):
+    pass
+
+
+def check_drained(s: Scheduler, flush: bool = False) -> dict[str, int]:
+    """Pools, cache and queues after a drain; with flush, the cache is emptied first."""
+    _expect(not s.live, f"{len(s.live)} requests still live")
+    _expect(s.forwards_in_flight == 0, "a forward is still in flight")
+    _expect(s.chunked_req is None, "a chunked request is pending")
+    for q in ("incoming", "bootstrap_queue", "waiting", "inflight_queue"):
+        _expect(not getattr(s, q), f"{q} is not empty")
+    s.req_pool.check()
+    s.allocator.check()
+    s.tree.check()
+    _expect(s.req_pool.available_size() == s.req_pool.size, "req_to_token rows still held")
+    _expect(s.tree.protected_size() == 0, "cache nodes still locked")
+    free, held = s.allocator.available_size(), s.tree.total_size()
+    _expect(
+        free + held == s.allocator.size,
+        f"KV pages leaked: free {free} + cached {held} != {s.allocator.size}",
+    )
+    if flush:
+        s.tree.flush()
+        _expect(s.allocator.available_size() == s.allocator.size, "KV not free after flush")
+    return {"free_tokens": s.allocator.available_size(), "cached_tokens": s.tree.total_size()}
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise InvariantError(what)

@@ -1,0 +1,88 @@
+"""The six event loops, side by side. Each mirrors DESIGN.md's order line by line.
+
+A(N) = get_next_batch_to_run, F(N) = run_batch / submit, P(N) = process_batch_result,
+S(N) = sample_if_needed. `until()` ends a loop; `idle()` waits for new work.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from mpprefill.scheduling.scheduler import Scheduler
+
+Until = Callable[[], bool]
+
+
+def _top(s: Scheduler) -> None:
+    s.retire_host_store_writes()
+    s.ingest_requests()
+    s.pop_bootstrapped()
+
+
+def event_loop_normal(s: Scheduler, until: Until) -> None:
+    """A(N) F(N) P(N) inflight."""
+    while not until():
+        _top(s)
+        batch = s.get_next_batch_to_run()
+        if batch is not None:
+            snap, result = s.run_batch(batch)
+            result = s.sample_if_needed(snap, result)
+            s.process_batch_result(batch, result)
+        s.process_inflight_queue()
+        s.idle(batch is not None)
+
+
+def event_loop_overlap(s: Scheduler, until: Until) -> None:
+    """A(N) F(N) P(N-1) inflight S(N). Also `thread` and `proc`: F = submit + collect."""
+    result_queue: deque = deque()
+    last_batch = None
+    while not until():
+        _top(s)
+        batch = s.get_next_batch_to_run()
+        if batch is not None:
+            snap, result = s.run_batch(batch)
+            result_queue.append([batch.copy(), snap, result])
+        if last_batch is not None:
+            prev_batch, _, prev_result = result_queue.popleft()
+            s.process_batch_result(prev_batch, prev_result)
+        s.process_inflight_queue()
+        if batch is not None:
+            entry = result_queue[-1]
+            entry[2] = s.sample_if_needed(entry[1], entry[2])
+        last_batch = batch
+        s.idle(batch is not None)
+
+
+def event_loop_ahead(s: Scheduler, until: Until) -> None:
+    """A(N+1) collect(N) S(N) snapshot+early-send(N+1) submit(N+1) P(N) inflight."""
+    inflight = None
+    while not until():
+        _top(s)
+        batch = s.get_next_batch_to_run()
+        prev_result = prev_batch = None
+        if inflight is not None:
+            prev_result = s.collect(inflight)  # waits if the worker is still busy
+            prev_result = s.sample_if_needed(inflight, prev_result)  # worker idle here
+            prev_batch = inflight.batch
+        snap = None
+        if batch is not None:
+            snap = s.snapshot_for_forward(batch)
+            for req in snap.batch.reqs:
+                s.maybe_send_cached_prefix_chunk(req)
+            s.submit(snap, early_send_prefix=False)
+        if prev_result is not None:
+            s.process_batch_result(prev_batch, prev_result)
+        s.process_inflight_queue()
+        inflight = snap
+        s.idle(batch is not None or inflight is not None)
+
+
+LOOPS: dict[str, Callable[[Scheduler, Until], None]] = {
+    "normal": event_loop_normal,
+    "overlap": event_loop_overlap,
+    "thread": event_loop_overlap,
+    "thread-ahead": event_loop_ahead,
+    "proc": event_loop_overlap,
+    "proc-ahead": event_loop_ahead,
+}

@@ -1,0 +1,54 @@
+"""Scheduler-side counters: phase times, forward times, finished-request totals."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerMetrics:
+    phase_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    phase_n: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    num_batches: int = 0
+    forward_s: float = 0.0
+    batch_tokens: int = 0
+    mailbox_bytes: list[int] = field(default_factory=list)
+    num_finished: int = 0
+    num_failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add_phase(self, name: str, seconds: float) -> None:
+        self.phase_s[name] += seconds
+        self.phase_n[name] += 1
+
+    def on_forward(self, snap, result) -> None:
+        self.num_batches += 1
+        self.forward_s += result.forward_s
+        self.batch_tokens += snap.forward.num_tokens
+
+    def on_finish(self, req) -> None:
+        if req.error:
+            self.num_failed += 1
+            return
+        self.num_finished += 1
+        self.prompt_tokens += req.prompt_len
+        self.cached_tokens += req.cached_tokens
+
+    @property
+    def uncached_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    def to_dict(self) -> dict:
+        return {
+            "num_batches": self.num_batches,
+            "forward_s": self.forward_s,
+            "batch_tokens": self.batch_tokens,
+            "num_finished": self.num_finished,
+            "num_failed": self.num_failed,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "phase_s": dict(self.phase_s),
+            "phase_n": dict(self.phase_n),
+        }

@@ -1,0 +1,139 @@
+"""Result processing, KV sends, the inflight queue, release and aborts (scheduler side)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from mpprefill.disagg.sender import KVPoll
+from mpprefill.scheduling.req import Req, ReqStatus
+
+if TYPE_CHECKING:
+    from mpprefill.scheduling.batch import ScheduleBatch
+    from mpprefill.worker.base import ForwardResult
+
+logger = logging.getLogger(__name__)
+
+
+class ResultProcessing:
+    """Mixed into Scheduler; every method runs on the scheduler thread."""
+
+    def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
+        t0 = time.perf_counter()
+        tokens = result.next_token_ids.tolist()
+        for i, req in enumerate(batch.reqs):
+            if req.inflight_middle_chunks > 0:
+                req.inflight_middle_chunks -= 1
+                if req.finished:
+                    self._release_aborted(req)
+                else:
+                    self.send_kv_chunk(req, last=False, end_idx=batch.fill_lens[i])
+                continue
+            if req.finished:  # aborted while its final chunk ran
+                self._release_aborted(req)
+                continue
+            req.output_ids.append(tokens[i])
+            if req.return_logits:
+                req.logits = result.logits[i].float().clone()
+            self.tree.cache_unfinished_req(req)
+            req.status = ReqStatus.TRANSFERRING
+            self.inflight_queue.append(req)
+            self.send_kv_chunk(req, last=True)
+        self.step("P", batch.seq)
+        self.metrics.add_phase("P", time.perf_counter() - t0)
+
+    def send_kv_chunk(self, req: Req, last: bool, end_idx: int | None = None) -> None:
+        """Send KV [start_send_idx, end) of `req`; a non-final send stops on a page boundary."""
+        start = req.start_send_idx
+        end = len(req.fill_ids) if end_idx is None else end_idx
+        if not last:
+            end -= end % self.page_size
+        if end < start or (end == start and not last):
+            return
+        slots = self.req_pool.req_to_token[req.req_pool_idx, start:end]
+        page_indices = slots[:: self.page_size] // self.page_size
+        if not req.sender.should_send_kv_chunk(len(page_indices), last):
+            return
+        req.start_send_idx = end
+        first = req.output_ids[0] if last else None
+        req.sender.send(page_indices, last=last, first_token=first)
+
+    def maybe_send_cached_prefix_chunk(self, req: Req) -> None:
+        """Early send: KV already in the cache goes out before the suffix is computed.
+
+        NOTE: only called once every forward that could write these pages was collected
+        (ahead loops: after collect(N); others: submit and collect at once).
+        """
+        cached_end = req.prefix_len
+        if cached_end > req.start_send_idx:
+            self.step("early_send", -1)
+            self.send_kv_chunk(req, last=False, end_idx=cached_end)
+
+    def process_inflight_queue(self) -> None:
+        keep = []
+        for req in self.inflight_queue:
+            state = req.sender.poll()
+            if state == KVPoll.Success:
+                self._release(req)
+                self.finish(req)
+            elif state == KVPoll.Failed:
+                self._release(req)
+                self.finish(req, f"KV transfer failed: {req.sender.failure_reason()}")
+            else:
+                keep.append(req)
+        self.inflight_queue = keep
+
+    def _release(self, req: Req) -> None:
+        self.tree.cache_finished_req(req)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+
+    def _release_aborted(self, req: Req) -> None:
+        """Free a partly computed request once none of its chunks is in flight."""
+        if req.inflight_middle_chunks > 0 or req.req_pool_idx is None:
+            return
+        if self.chunked_req is req:
+            self.chunked_req = None
+        row = self.req_pool.req_to_token[req.req_pool_idx, : len(req.fill_ids)]
+        own = row[req.cache_protected_len :]
+        if len(own):
+            self.allocator.free(own)
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+            req.last_node = None
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+
+    def abort(self, rid: str, reason: str = "aborted") -> bool:
+        req = self.live.get(rid)
+        if req is None:
+            return False
+        for queue in (self.bootstrap_queue, self.waiting):
+            if req in queue:
+                queue.remove(req)
+                req.sender.abort()
+                self.fail(req, reason, release=False)
+                return True
+        if req.status == ReqStatus.TRANSFERRING:
+            req.sender.abort()  # the inflight queue releases it on Failed
+            return True
+        req.sender.abort()
+        self.finish(req, reason)  # released when its chunk in flight comes back
+        if self.chunked_req is req and req.inflight_middle_chunks == 0:
+            self._release_aborted(req)
+        return True
+
+    def fail(self, req: Req, reason: str, release: bool = True) -> None:
+        if release and req.req_pool_idx is not None:
+            self._release_aborted(req)
+        self.finish(req, reason)
+
+    def finish(self, req: Req, error: str | None = None) -> None:
+        if req.finished:
+            return
+        req.status = ReqStatus.FAILED if error else ReqStatus.DONE
+        req.error, req.finish_time = error, time.monotonic()
+        self.live.pop(req.rid, None)
+        self.metrics.on_finish(req)
+        self.on_finish(req)

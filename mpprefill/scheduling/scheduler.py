@@ -1,0 +1,288 @@
+"""The prefill scheduler: ingest, bootstrap, admission, batch build, forward hand-off.
+
+Result processing, KV sends and release live in `processing.py`; the six loops
+that order these steps live in `loops.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from mpprefill.config import ServerArgs
+from mpprefill.disagg.sender import KVPoll
+from mpprefill.memory.allocator import PagedTokenAllocator
+from mpprefill.memory.radix_cache import RadixCache
+from mpprefill.memory.req_to_token import ReqToTokenPool
+from mpprefill.model import ForwardBatch, ModelConfig
+from mpprefill.sampling import SamplingBatchInfo
+from mpprefill.scheduling.adder import PrefillAdder
+from mpprefill.scheduling.batch import ScheduleBatch
+from mpprefill.scheduling.metrics import SchedulerMetrics
+from mpprefill.scheduling.processing import ResultProcessing
+from mpprefill.scheduling.req import Req, ReqStatus
+from mpprefill.worker.base import ForwardResult, ForwardSnapshot, Worker
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler(ResultProcessing):
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_config: ModelConfig,
+        worker: Worker,
+        transfer,
+        on_finish: Callable[[Req], None] | None = None,
+        record_steps: bool = False,
+    ):
+        self.args, self.model_config = args, model_config
+        self.page_size = args.page_size
+        self.context_len = args.context_length or model_config.max_position_embeddings
+        rows = max(2 * args.max_running_requests, 64)
+        self.req_pool = ReqToTokenPool(rows, self.context_len)
+        self.allocator = PagedTokenAllocator(args.num_pages, args.page_size)
+        self.tree = RadixCache(self.req_pool, self.allocator, args.page_size)
+        self.worker, self.transfer = worker, transfer
+        worker.early_send_hook = self.early_send_snapshot
+        self.on_finish = on_finish or (lambda req: None)
+        self.incoming: deque[Req] = deque()
+        self.bootstrap_queue: list[Req] = []
+        self.waiting: deque[Req] = deque()
+        self.inflight_queue: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.live: dict[str, Req] = {}
+        self.batch_seq = 0
+        self.forwards_in_flight = 0
+        self.metrics = SchedulerMetrics()
+        self.steps: list[tuple[str, int]] | None = [] if record_steps else None
+        self.recv_requests: Callable[[], list[Req]] = lambda: []
+        self.wait_for_requests: Callable[[float], None] = time.sleep
+
+    # ---- bookkeeping -------------------------------------------------------------------
+
+    def step(self, name: str, seq: int = -1) -> None:
+        if self.steps is not None:
+            self.steps.append((name, seq))
+
+    @property
+    def has_pending_work(self) -> bool:
+        return bool(self.live)
+
+    def validate(self, req: Req) -> None:
+        """Raise ValueError for a request this server can never finish."""
+        ids = req.origin_input_ids
+        if not ids:
+            raise ValueError("empty input_ids")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} outside the vocabulary [0, {vocab})")
+        if len(ids) > self.context_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens exceeds the context length {self.context_len}"
+            )
+        if self.allocator.pages_needed(0, len(ids)) > self.allocator.num_pages:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens exceeds the KV pool ({self.allocator.size} tokens)"
+            )
+        if req.rid in self.live:
+            raise ValueError(f"duplicate rid {req.rid!r} while the first is live")
+
+    def add_request(self, req: Req) -> None:
+        self.validate(req)
+        req.sender = self.transfer.create_sender(req)
+        req.status = ReqStatus.BOOTSTRAPPING
+        self.live[req.rid] = req
+        self.bootstrap_queue.append(req)
+
+    def idle(self, busy: bool) -> None:
+        """Between iterations: return at once when busy, else wait briefly for requests."""
+        if busy or self.incoming:
+            return
+        self.wait_for_requests(0.0005 if self.live else 0.02)
+
+    # ---- loop steps ----------------------------------------------------------------------
+
+    def retire_host_store_writes(self) -> None:
+        """Completed host-store write-backs are retired here (no host store configured)."""
+
+    def ingest_requests(self) -> None:
+        for req in self.recv_requests():
+            self.incoming.append(req)
+        while self.incoming:
+            req = self.incoming.popleft()
+            try:
+                self.add_request(req)
+            except ValueError as e:
+                self.fail(req, str(e), release=False)
+
+    def pop_bootstrapped(self) -> None:
+        keep, now = [], time.monotonic()
+        for req in self.bootstrap_queue:
+            state = req.sender.poll()
+            if state == KVPoll.WaitingForInput:
+                req.start_send_idx = req.sender.pop_decode_prefix_len()
+                req.sender.init(self._num_pages(req.prompt_len - req.start_send_idx))
+                req.status = ReqStatus.WAITING
+                self.waiting.append(req)
+            elif state == KVPoll.Failed:
+                self.fail(req, f"bootstrap failed: {req.sender.failure_reason()}", release=False)
+            elif now - req.arrival_time > self.args.bootstrap_timeout:
+                req.sender.abort()
+                self.fail(req, "bootstrap timed out", release=False)
+            else:
+                keep.append(req)
+        self.bootstrap_queue = keep
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        t0 = time.perf_counter()
+        chunked = self.chunked_req
+        if chunked is not None and chunked.finished:  # aborted; released when it returns
+            chunked = self.chunked_req = None
+        if chunked is not None:
+            self.tree.cache_unfinished_req(chunked)  # its previous chunk joins the tree
+        adder = PrefillAdder(
+            self.tree,
+            self.allocator,
+            self.page_size,
+            self.args.max_prefill_tokens,
+            None if self.args.chunked_prefill_size == -1 else self.args.chunked_prefill_size,
+            self.args.max_running_requests,
+            self.req_pool.available_size(),
+        )
+        if chunked is not None:
+            adder.add_chunked_req(chunked)
+        while self.waiting and adder.add_one_req(self.waiting[0]):
+            self.waiting.popleft()
+        if chunked is not None and chunked not in adder.can_run:
+            adder.new_chunked_req = chunked  # no room this time; it stays first in line
+        self.chunked_req = adder.new_chunked_req
+        batch = self._build_batch(adder.can_run) if adder.can_run else None
+        self.metrics.add_phase("A", time.perf_counter() - t0)
+        if batch is not None:
+            self.step("A", batch.seq)
+        return batch
+
+    def _build_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        prefix_lens = [r.prefix_len for r in reqs]
+        seq_lens = [r.seq_len for r in reqs]
+        for r in reqs:
+            self._ensure_row(r)
+        out = self._alloc_extend(reqs, prefix_lens, seq_lens)
+        kv_rows, input_ids, offset = [], [], 0
+        for r, p, s in zip(reqs, prefix_lens, seq_lens):
+            self.req_pool.write(r.req_pool_idx, p, out[offset : offset + s - p])
+            offset += s - p
+            kv_rows.append(self.req_pool.req_to_token[r.req_pool_idx, :s])
+            input_ids.extend(r.fill_ids[p:s])
+            r.status = ReqStatus.RUNNING
+            if r.is_chunked:
+                r.inflight_middle_chunks += 1
+        fb = _forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows)
+        self.batch_seq += 1
+        first = [r for r in reqs if not r.first_admitted]
+        for r in first:
+            r.first_admitted = True
+        return ScheduleBatch(
+            seq=self.batch_seq,
+            reqs=reqs,
+            forward=fb,
+            fill_lens=seq_lens,
+            sampling_info=SamplingBatchInfo.from_params(
+                [r.sampling_params for r in reqs], self.model_config.vocab_size
+            ),
+            delay_sample=self.args.delay_sampling,
+            return_logits=any(r.return_logits for r in reqs),
+            new_tokens=len(input_ids),
+            cached_tokens=sum(r.cached_tokens for r in first),
+        )
+
+    def _ensure_row(self, req: Req) -> None:
+        if req.req_pool_idx is not None:
+            return
+        idx = self.req_pool.alloc()
+        if idx is None:
+            raise RuntimeError("no req_to_token row although the adder counted one")
+        req.req_pool_idx = idx
+        self.req_pool.write(idx, 0, req.prefix_indices)
+
+    def _alloc_extend(self, reqs, prefix_lens, seq_lens) -> torch.Tensor:
+        last = [int(r.prefix_indices[-1]) if p else -1 for r, p in zip(reqs, prefix_lens)]
+        need = sum(self.allocator.pages_needed(p, s) for p, s in zip(prefix_lens, seq_lens))
+        if need > self.allocator.num_free_pages:
+            self.tree.evict((need - self.allocator.num_free_pages) * self.page_size)
+        out = self.allocator.alloc_extend(prefix_lens, seq_lens, last)
+        if out is None:
+            raise RuntimeError("KV allocation failed although the adder reserved it")
+        return out
+
+    def _num_pages(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    # ---- forward hand-off ----------------------------------------------------------------
+
+    def snapshot_for_forward(self, batch: ScheduleBatch) -> ForwardSnapshot:
+        t0 = time.perf_counter()
+        snap = ForwardSnapshot.take(batch)
+        self.metrics.add_phase("snapshot", time.perf_counter() - t0)
+        return snap
+
+    def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:
+        t0 = time.perf_counter()
+        self.step("submit", snap.seq)
+        self.worker.submit(snap, early_send_prefix)
+        self.forwards_in_flight += 1
+        self.metrics.add_phase("submit", time.perf_counter() - t0)
+
+    def collect(self, snap: ForwardSnapshot) -> ForwardResult:
+        t0 = time.perf_counter()
+        result = self.worker.collect()
+        self.forwards_in_flight -= 1
+        self.step("collect", snap.seq)
+        self.metrics.add_phase("collect", time.perf_counter() - t0)
+        self.metrics.on_forward(snap, result)
+        return result
+
+    def run_batch(self, batch: ScheduleBatch, early_send_prefix: bool = True):
+        """Submit and collect at once (normal, overlap, thread, proc)."""
+        snap = self.snapshot_for_forward(batch)
+        if not self.worker_runs_early_send:
+            for req in snap.batch.reqs:
+                self.maybe_send_cached_prefix_chunk(req)
+            early_send_prefix = False
+        self.submit(snap, early_send_prefix)
+        return snap, self.collect(snap)
+
+    @property
+    def worker_runs_early_send(self) -> bool:
+        return self.worker.kind in ("inline", "thread")
+
+    def early_send_snapshot(self, snap: ForwardSnapshot) -> None:
+        for req in snap.batch.reqs:
+            self.maybe_send_cached_prefix_chunk(req)
+
+    def sample_if_needed(self, snap: ForwardSnapshot, result: ForwardResult) -> ForwardResult:
+        if result.next_token_ids is not None:
+            return result
+        t0 = time.perf_counter()
+        tokens = self.worker.sample(result, snap)
+        self.step("S", snap.seq)
+        self.metrics.add_phase("S", time.perf_counter() - t0)
+        return result._replace(next_token_ids=tokens)
+
+
+def _forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows) -> ForwardBatch:
+    positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=positions,
+        out_cache_loc=out,
+        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64),
+        extend_lens=torch.tensor([s - p for p, s in zip(prefix_lens, seq_lens)], dtype=torch.int64),
+        kv_indices=torch.cat(kv_rows),
+    )

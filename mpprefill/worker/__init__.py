@@ -1,0 +1,1 @@
+"""Forward workers: where run_batch runs (inline, a thread, or a process)."""

@@ -1,0 +1,106 @@
+"""Workers in the scheduler's process: inline (normal, overlap) and a forward thread."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from mpprefill.worker.base import ForwardResult, ForwardSnapshot, Worker, WorkerDied
+from mpprefill.worker.runner import ForwardRunner
+
+
+class _LocalWorker(Worker):
+    def __init__(self, runner: ForwardRunner):
+        self.runner = runner
+
+    @property
+    def kv_cache(self):
+        return self.runner.kv
+
+    def _run(self, snap: ForwardSnapshot, early_send_prefix: bool) -> ForwardResult:
+        if early_send_prefix and self.early_send_hook is not None:
+            self.early_send_hook(snap)
+        out = self.runner.forward(snap.forward, snap.sampling, snap.delay_sample)
+        return ForwardResult(snap.seq, out.next_token_ids, out.logits, out.forward_s)
+
+    def sample(self, result: ForwardResult, snap: ForwardSnapshot) -> torch.Tensor:
+        # NOTE: called only after collect(), so the worker is idle here.
+        return self.runner.sample(result.logits, snap.sampling)
+
+
+class InlineWorker(_LocalWorker):
+    """run_batch on the scheduler thread; submit does the whole forward."""
+
+    kind = "inline"
+
+    def __init__(self, runner: ForwardRunner):
+        super().__init__(runner)
+        self._result: ForwardResult | None = None
+
+    def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:
+        if self._result is not None:
+            raise RuntimeError("submit before the previous forward was collected")
+        self._result = self._run(snap, early_send_prefix)
+
+    def collect(self, timeout: float | None = None) -> ForwardResult:
+        if self._result is None:
+            raise RuntimeError("collect with nothing submitted")
+        result, self._result = self._result, None
+        return result
+
+
+class ThreadWorker(_LocalWorker):
+    """A forward thread with an input and an output queue of capacity one each."""
+
+    kind = "thread"
+
+    def __init__(self, runner: ForwardRunner):
+        super().__init__(runner)
+        self._in: queue.Queue = queue.Queue(maxsize=1)
+        self._out: queue.Queue = queue.Queue(maxsize=1)
+        self._pending = False
+        self._thread = threading.Thread(target=self._loop, name="forward", daemon=True)
+        self._thread.start()
+
+    def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:
+        if self._pending:
+            raise RuntimeError("submit before the previous forward was collected")
+        self._in.put_nowait((snap, early_send_prefix))
+        self._pending = True
+
+    def collect(self, timeout: float | None = None) -> ForwardResult:
+        if not self._pending:
+            raise RuntimeError("collect with nothing submitted")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                item = self._out.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise WorkerDied("forward thread exited") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"forward not done within {timeout}s") from None
+        self._pending = False
+        if isinstance(item, BaseException):
+            raise WorkerDied(f"forward failed: {item!r}") from item
+        return item
+
+    def _loop(self) -> None:
+        while (item := self._in.get()) is not None:
+            try:
+                result = self._run(*item)
+            except BaseException as e:  # handed to the scheduler, which decides
+                result = e
+            self._out.put(result)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            try:
+                self._in.put(None, timeout=5)
+            except queue.Full:
+                return
+            self._thread.join(5)

@@ -1,0 +1,59 @@
+"""Scheduler <-> forward-process messages. Small, fixed-size, never pickled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ipc import TensorHandle, message
+
+
+@message
+@dataclass(slots=True)
+class Ready:
+    """Worker -> scheduler once the model and the KV pool exist."""
+
+    pid: int
+    kv: TensorHandle
+    result: dict[str, TensorHandle]
+    model_config: dict
+
+
+@message
+@dataclass(slots=True)
+class Submit:
+    """One forward: which staging slot, how much of each field is valid."""
+
+    seq: int
+    slot: int
+    num_tokens: int
+    num_reqs: int
+    num_kv: int
+    delay_sample: bool
+    want_logits: bool
+    staging: dict[str, TensorHandle] = field(default_factory=dict)
+
+
+@message
+@dataclass(slots=True)
+class Sample:
+    seq: int
+
+
+@message
+@dataclass(slots=True)
+class Done:
+    seq: int
+    forward_s: float
+    sampled: bool
+
+
+@message
+@dataclass(slots=True)
+class Failed:
+    error: str
+
+
+@message
+@dataclass(slots=True)
+class Exit:
+    reason: str = ""

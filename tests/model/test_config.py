@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mpprefill.model import ModelConfig
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 1000,
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "rope_scaling": None,
+}
+
+
+def test_tiny_is_valid_and_frozen():
+    cfg = ModelConfig.tiny()
+    assert cfg.head_size == cfg.hidden_size // cfg.num_attention_heads
+    assert cfg.torch_dtype == torch.float32
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.hidden_size = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(num_attention_heads=8, num_key_value_heads=3), "multiple of num_key_value_heads"),
+        (dict(hidden_size=0), "hidden_size must be positive"),
+        (dict(hidden_size=100, num_attention_heads=8), "not divisible"),
+        (dict(head_dim=7), "even"),
+        (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+        (dict(architecture="GPT2LMHeadModel"), "GPT2LMHeadModel"),
+        (dict(dtype="int8"), "dtype"),
+    ],
+)
+def test_invalid_config_is_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**bad)
+
+
+def test_explicit_head_dim_overrides_the_division():
+    cfg = ModelConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    assert (cfg.head_size, cfg.q_size, cfg.kv_size) == (64, 512, 128)
+
+
+def test_from_hf_llama():
+    cfg = ModelConfig.from_hf(LLAMA)
+    assert cfg.architecture == "LlamaForCausalLM"
+    assert (cfg.num_key_value_heads, cfg.head_size, cfg.rope_theta) == (4, 16, 500000.0)
+    assert cfg.tie_word_embeddings and not cfg.attention_bias and not cfg.attention_out_bias
+
+
+def test_from_hf_llama_attention_bias_covers_o_proj():
+    cfg = ModelConfig.from_hf({**LLAMA, "attention_bias": True})
+    assert cfg.attention_bias and cfg.attention_out_bias
+
+
+def test_from_hf_qwen2_has_qkv_bias_only():
+    cfg = ModelConfig.from_hf({**LLAMA, "architectures": ["Qwen2ForCausalLM"]})
+    assert cfg.attention_bias and not cfg.attention_out_bias
+
+
+def test_from_hf_reads_rope_parameters_and_defaults():
+    hf = {k: v for k, v in LLAMA.items() if k not in ("rope_theta", "num_key_value_heads")}
+    hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 50000.0}
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.rope_theta == 50000.0
+    assert cfg.num_key_value_heads == cfg.num_attention_heads
+
+
+def test_from_hf_falls_back_to_model_type():
+    hf = {**LLAMA, "model_type": "qwen2"}
+    del hf["architectures"]
+    assert ModelConfig.from_hf(hf).architecture == "Qwen2ForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM.*LlamaForCausalLM"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+        ({"hidden_act": "gelu"}, "gelu"),
+        ({"use_sliding_window": True}, "sliding"),
+        ({"vocab_size": None}, "vocab_size"),
+    ],
+)
+def test_from_hf_refuses_what_it_cannot_run(change, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**LLAMA, **change})
+
+
+def test_from_hf_accepts_default_rope_scaling():
+    cfg = ModelConfig.from_hf({**LLAMA, "rope_scaling": {"rope_type": "default"}})
+    assert cfg.rope_theta == 500000.0
