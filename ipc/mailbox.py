@@ -95,7 +95,10 @@ class Channel:
             if not self._pump(deadline):
                 raise MailboxTimeout(f"no message within {timeout}s")
         data = self._inbox.popleft()
-        self._send(_ACK, None)
+        try:
+            self._send(_ACK, None)
+        except PeerDied:
+            pass  # the message arrived intact; the next call reports the death
         return codec.decode(data)
 
     def poll(self, timeout: float = 0.0) -> bool:
@@ -152,8 +155,9 @@ class Channel:
         else:
             raise MailboxError(f"unknown frame kind {kind!r}")
 
-    def close(self) -> None:
-        self._sock.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close; `linger_s` lets frames already queued (a last error report) go out."""
+        self._sock.close(linger=int(linger_s * 1000))
 
 
 def _deadline(timeout: float | None) -> float | None:

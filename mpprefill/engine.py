@@ -14,6 +14,7 @@ from mpprefill.sampling import SamplingParams
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
+from mpprefill.worker.base import WorkerDied
 from mpprefill.worker.factory import make_worker
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class PrefillEngine:
         )
         self._loop = LOOPS[self.mode]
         self._ids = itertools.count()
+        self._closed = False
 
     def prefill(
         self,
@@ -77,7 +79,12 @@ class PrefillEngine:
         for r in reqs:
             self.scheduler.add_request(r)
         s = self.scheduler
-        self._loop(s, lambda: not s.live and s.forwards_in_flight == 0)
+        try:
+            self._loop(s, lambda: not s.live and s.forwards_in_flight == 0)
+        except WorkerDied as e:
+            s.fail_all(str(e))
+            self.close()
+            raise
         if self.args.check_invariants:
             self.check_invariants()
         return [self._output(r) for r in reqs]
@@ -97,7 +104,9 @@ class PrefillEngine:
         self.scheduler.tree.flush()
 
     def close(self) -> None:
-        self.worker.close()
+        if not self._closed:
+            self._closed = True
+            self.worker.close()
 
     def __enter__(self) -> PrefillEngine:
         return self

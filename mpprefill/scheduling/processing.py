@@ -124,6 +124,17 @@ class ResultProcessing:
             self._release_aborted(req)
         return True
 
+    def fail_all(self, reason: str) -> int:
+        """The worker is gone: every live request gets an error; pools are abandoned."""
+        reqs = list(self.live.values())
+        for req in reqs:
+            if req.sender is not None:
+                req.sender.abort()
+            self.finish(req, reason)
+        self.bootstrap_queue, self.waiting, self.inflight_queue = [], type(self.waiting)(), []
+        self.chunked_req = None
+        return len(reqs)
+
     def fail(self, req: Req, reason: str, release: bool = True) -> None:
         if release and req.req_pool_idx is not None:
             self._release_aborted(req)

@@ -58,6 +58,7 @@ class Scheduler(ResultProcessing):
         self.live: dict[str, Req] = {}
         self.batch_seq = 0
         self.forwards_in_flight = 0
+        self._mailbox_mark = getattr(worker, "mailbox_bytes", 0)
         self.metrics = SchedulerMetrics()
         self.steps: list[tuple[str, int]] | None = [] if record_steps else None
         self.recv_requests: Callable[[], list[Req]] = lambda: []
@@ -241,7 +242,10 @@ class Scheduler(ResultProcessing):
 
     def collect(self, snap: ForwardSnapshot) -> ForwardResult:
         t0 = time.perf_counter()
+        mailbox_before = self._mailbox_mark
         result = self.worker.collect()
+        self._mailbox_mark = getattr(self.worker, "mailbox_bytes", 0)
+        self.metrics.mailbox_bytes.append(self._mailbox_mark - mailbox_before)
         self.forwards_in_flight -= 1
         self.step("collect", snap.seq)
         self.metrics.add_phase("collect", time.perf_counter() - t0)

@@ -6,6 +6,8 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+import time
 
 import torch
 
@@ -21,6 +23,10 @@ from mpprefill.worker.staging import read_slot
 logger = logging.getLogger("mpprefill.worker")
 
 FORWARD_DONE = 2  # index in the event table, after the per-slot "reads done" events
+# Test hook: seconds between replying and signalling "reads done" (0: off).
+SLOW_READS_S = float(os.environ.get("MPPREFILL_TEST_SLOW_READS", "0"))
+VIOLATIONS: list[str] = []
+LATE_READS: dict[int, threading.Thread] = {}
 
 
 def worker_main(
@@ -55,7 +61,7 @@ def worker_main(
         code = 1
     finally:
         ipc.unlink_owned()
-        ch.close()
+        ch.close(linger_s=1.0)
     sys.exit(code)
 
 
@@ -92,6 +98,10 @@ def _serve(ch: ipc.Channel, runner: ForwardRunner, result: dict, events) -> None
     last = None  # (logits, sampling) of the last forward, for deferred sampling
     while True:
         msg = ch.get()
+        if isinstance(msg, Submit) and (late := LATE_READS.pop(msg.slot, None)) is not None:
+            late.join()  # the earlier forward on this slot finishes reading first
+        if VIOLATIONS:
+            raise RuntimeError(VIOLATIONS[0])
         if isinstance(msg, Exit):
             return
         if isinstance(msg, Submit):
@@ -108,17 +118,39 @@ def _forward(ch, runner: ForwardRunner, result: dict, events, msg: Submit):
     slot = ipc.open_bundle(msg.staging)
     fb, sampling = read_slot(slot, msg.num_tokens, msg.num_reqs, msg.num_kv, runner.kv.device)
     out = runner.forward(fb, sampling, msg.delay_sample)
-    events[msg.slot].record(msg.seq)  # shared reads done: the slot may be rewritten
     b = msg.num_reqs
     if out.next_token_ids is not None:
         result["tokens"][:b].copy_(out.next_token_ids)
     if msg.want_logits or msg.delay_sample:
         result["logits"][:b].copy_(out.logits)
     events[FORWARD_DONE].record(msg.seq)
-    ch.put(Done(msg.seq, out.forward_s, out.next_token_ids is not None))
+    if SLOW_READS_S > 0:
+        _late_reads_done(ch, fb, events, msg, out)
+    else:
+        events[msg.slot].record(msg.seq)  # shared reads done: the slot may be rewritten
+        ch.put(Done(msg.seq, out.forward_s, out.next_token_ids is not None))
     if msg.delay_sample:
         return out.logits.clone(), _own_copy(sampling)
     return None
+
+
+def _late_reads_done(ch, fb, events, msg: Submit, out) -> None:
+    """Test mode: reply at once and signal "reads done" later from another thread, as an
+    asynchronous device forward does; a rewrite of the slot meanwhile is a WAR violation."""
+    before = fb.input_ids.clone(), fb.kv_indices.clone()
+
+    def finish_reads() -> None:
+        time.sleep(SLOW_READS_S)
+        if not (torch.equal(before[0], fb.input_ids) and torch.equal(before[1], fb.kv_indices)):
+            VIOLATIONS.append(
+                f"staging slot {msg.slot} rewritten while forward {msg.seq} was still reading it"
+            )
+        events[msg.slot].record(msg.seq)
+
+    t = threading.Thread(target=finish_reads, daemon=True)
+    t.start()
+    LATE_READS[msg.slot] = t
+    ch.put(Done(msg.seq, out.forward_s, out.next_token_ids is not None))
 
 
 def _own_copy(sampling):

@@ -17,8 +17,10 @@ LOCAL_MODES = ["normal", "overlap", "thread", "thread-ahead"]
 def shared_prefix_prompts(seed: int, n: int = 12) -> list[list[int]]:
     rng = random.Random(seed)
     systems = [[rng.randrange(4096) for _ in range(rng.randrange(20, 90))] for _ in range(3)]
-    return [rng.choice(systems) + [rng.randrange(4096) for _ in range(rng.randrange(1, 40))]
-            for _ in range(n)]
+    return [
+        rng.choice(systems) + [rng.randrange(4096) for _ in range(rng.randrange(1, 40))]
+        for _ in range(n)
+    ]
 
 
 def dense_last_logits(prompt: list[int]) -> torch.Tensor:
@@ -34,8 +36,13 @@ def dense_last_logits(prompt: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("page_size,chunk", [(1, 24), (16, 40), (4, -1)])
 def test_modes_match_dense_and_drain_clean(mode, page_size, chunk):
     prompts = shared_prefix_prompts(1)
-    with PrefillEngine(forward_mode=mode, page_size=page_size, chunked_prefill_size=chunk,
-                       max_prefill_tokens=96, check_invariants=True) as eng:
+    with PrefillEngine(
+        forward_mode=mode,
+        page_size=page_size,
+        chunked_prefill_size=chunk,
+        max_prefill_tokens=96,
+        check_invariants=True,
+    ) as eng:
         outs = eng.prefill(prompts, return_logits=True)
         again = eng.prefill(prompts[:3], return_logits=True)  # all prefixes cached now
         eng.check_invariants(flush=True)
@@ -51,8 +58,9 @@ def test_modes_match_dense_and_drain_clean(mode, page_size, chunk):
 
 def test_long_prompts_finish_once_and_free_everything():
     prompts = [list(range(1, 300)), list(range(1, 200)) + [7] * 33, [5] * 517]
-    with PrefillEngine(forward_mode="thread-ahead", page_size=16, chunked_prefill_size=64,
-                       check_invariants=True) as eng:
+    with PrefillEngine(
+        forward_mode="thread-ahead", page_size=16, chunked_prefill_size=64, check_invariants=True
+    ) as eng:
         s = eng.scheduler
         finished = []
         s.on_finish = finished.append
@@ -65,12 +73,15 @@ def test_long_prompts_finish_once_and_free_everything():
         assert s.req_pool.available_size() == s.req_pool.size
 
 
-@pytest.mark.parametrize("bad,match", [
-    ([], "empty"),
-    ([1, 2, 4096], "outside the vocabulary"),
-    ([1, -3], "outside the vocabulary"),
-    ([1] * 9000, "context length"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ([], "empty"),
+        ([1, 2, 4096], "outside the vocabulary"),
+        ([1, -3], "outside the vocabulary"),
+        ([1] * 9000, "context length"),
+    ],
+)
 def test_bad_input_is_refused_and_engine_stays_usable(bad, match):
     with PrefillEngine(forward_mode="overlap", max_total_tokens=2048) as eng:
         with pytest.raises(ValueError, match=match):
@@ -89,8 +100,13 @@ def test_prompt_longer_than_pool_is_refused():
 
 def test_pool_smaller_than_workload_evicts_and_queues():
     prompts = shared_prefix_prompts(5, n=30)
-    with PrefillEngine(forward_mode="thread-ahead", max_total_tokens=256, page_size=16,
-                       chunked_prefill_size=64, check_invariants=True) as eng:
+    with PrefillEngine(
+        forward_mode="thread-ahead",
+        max_total_tokens=256,
+        page_size=16,
+        chunked_prefill_size=64,
+        check_invariants=True,
+    ) as eng:
         outs = eng.prefill(prompts)
         assert len(outs) == 30
         eng.check_invariants(flush=True)
