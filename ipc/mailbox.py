@@ -15,6 +15,7 @@ so a scheduler and its worker need one socket pair.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -95,10 +96,9 @@ class Channel:
             if not self._pump(deadline):
                 raise MailboxTimeout(f"no message within {timeout}s")
         data = self._inbox.popleft()
-        try:
+        # The message arrived intact; if the peer died since, the next call reports it.
+        with contextlib.suppress(PeerDied):
             self._send(_ACK, None)
-        except PeerDied:
-            pass  # the message arrived intact; the next call reports the death
         return codec.decode(data)
 
     def poll(self, timeout: float = 0.0) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +66,12 @@ class PrefillEngine:
         prompts: list[list[int]],
         return_logits: bool = False,
         sampling_params: SamplingParams | dict | None = None,
+        timeout: float | None = None,
     ) -> list[PrefillOutput]:
-        """Prefill every prompt; bad input raises ValueError before anything runs."""
+        """Prefill every prompt; bad input raises ValueError before anything runs.
+
+        `timeout` (seconds) bounds the whole call: TimeoutError if requests remain.
+        """
         if isinstance(sampling_params, dict):
             sampling_params = SamplingParams.from_dict(sampling_params)
         params = sampling_params or SamplingParams()
@@ -79,8 +84,15 @@ class PrefillEngine:
         for r in reqs:
             self.scheduler.add_request(r)
         s = self.scheduler
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def until() -> bool:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{len(s.live)} requests unfinished after {timeout}s")
+            return not s.live and s.forwards_in_flight == 0
+
         try:
-            self._loop(s, lambda: not s.live and s.forwards_in_flight == 0)
+            self._loop(s, until)
         except WorkerDied as e:
             s.fail_all(str(e))
             self.close()

@@ -1,0 +1,163 @@
+"""All six forward modes: same tokens, loop order as DESIGN.md, snapshots, early send."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from mpprefill.config import FORWARD_MODES
+from mpprefill.engine import PrefillEngine
+from mpprefill.scheduling.invariants import InvariantError
+from mpprefill.worker import base as worker_base
+from tests.scheduling.test_engine import shared_prefix_prompts
+
+pytestmark = pytest.mark.timeout(300)
+ENGINE_KW = dict(
+    page_size=16,
+    chunked_prefill_size=48,
+    max_prefill_tokens=96,
+    max_running_requests=4,
+    check_invariants=True,
+)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    prompts = shared_prefix_prompts(11, n=16)
+    with PrefillEngine(forward_mode="normal", **ENGINE_KW) as eng:
+        outs = eng.prefill(prompts, return_logits=True)
+    return prompts, outs
+
+
+@pytest.mark.parametrize("mode", FORWARD_MODES)
+def test_every_mode_gives_the_same_tokens_and_logits(mode, reference):
+    prompts, ref = reference
+    with PrefillEngine(forward_mode=mode, **ENGINE_KW) as eng:
+        outs = eng.prefill(prompts, return_logits=True)
+        eng.check_invariants(flush=True)
+    assert [o.first_token for o in outs] == [o.first_token for o in ref]
+    assert [o.cached_tokens for o in outs] == [o.cached_tokens for o in ref]
+    for o, r in zip(outs, ref):
+        torch.testing.assert_close(o.logits, r.logits, atol=1e-4, rtol=1e-4)
+
+
+def expected_steps(mode: str, n: int) -> list[tuple[str, int]]:
+    """DESIGN.md's order for batches 1..n, one batch per iteration, then the drain."""
+    out: list[tuple[str, int]] = []
+    if mode == "normal":
+        for k in range(1, n + 1):
+            out += [("A", k), ("submit", k), ("collect", k), ("S", k), ("P", k)]
+    elif mode in ("overlap", "thread", "proc"):
+        for k in range(1, n + 1):
+            out += [("A", k), ("submit", k), ("collect", k)]
+            out += [("P", k - 1)] if k > 1 else []
+            out += [("S", k)]
+        out += [("P", n)]
+    else:
+        out += [("A", 1), ("submit", 1)]
+        for k in range(2, n + 1):
+            out += [("A", k), ("collect", k - 1), ("S", k - 1), ("submit", k), ("P", k - 1)]
+        out += [("collect", n), ("S", n), ("P", n)]
+    return out
+
+
+@pytest.mark.parametrize("mode", FORWARD_MODES)
+def test_loop_order_matches_design(mode):
+    # One request per batch; none shares a page with another, so no early sends.
+    prompts = [[100 + i] * (17 + 3 * i) for i in range(5)]
+    with PrefillEngine(
+        forward_mode=mode, max_running_requests=1, delay_sampling=True, page_size=16
+    ) as eng:
+        eng.scheduler.steps = []
+        eng.prefill(prompts)
+        steps = [s for s in eng.scheduler.steps if s[0] != "early_send"]
+    assert steps == expected_steps(mode, len(prompts))
+
+
+@pytest.mark.parametrize("mode", ["thread-ahead", "proc-ahead"])
+def test_snapshot_isolated_from_live_batch(mode, reference, monkeypatch):
+    """In the ahead loops admission runs while the forward is unfinished: rebinding the
+    live batch right after submit changes nothing the forward sees, and result
+    processing still lands on the real requests."""
+    prompts, ref = reference
+    with PrefillEngine(forward_mode=mode, **ENGINE_KW) as eng:
+        s = eng.scheduler
+        if eng.worker.kind == "thread":  # make the forward read late
+            forward = eng.worker.runner.forward
+            eng.worker.runner.forward = lambda *a: (time.sleep(0.01), forward(*a))[1]
+        live = []
+        take = worker_base.ForwardSnapshot.take
+
+        def spy(batch):
+            live.append(batch)
+            return take(batch)
+
+        monkeypatch.setattr(worker_base.ForwardSnapshot, "take", staticmethod(spy))
+        submit = s.submit
+
+        def submit_then_mutate(snap, early_send_prefix):
+            submit(snap, early_send_prefix)
+            batch = live[-1]
+            batch.filter([])  # admission-style in-place filter
+            batch.forward, batch.reqs, batch.fill_lens = None, [], []
+
+        s.submit = submit_then_mutate
+        outs = eng.prefill(prompts, return_logits=True, timeout=120)
+        eng.check_invariants(flush=True)
+    assert len(live) == eng.scheduler.metrics.num_batches
+    assert [o.first_token for o in outs] == [o.first_token for o in ref]
+
+
+def test_decrement_on_a_copy_would_leak_and_is_caught(monkeypatch):
+    """If snapshots copied the Req objects, the chunk counter would be decremented on the
+    copy and the request would never finish cleanly: the invariants must notice."""
+    import copy
+
+    take = worker_base.ForwardSnapshot.take
+
+    def take_with_copied_reqs(batch):
+        snap = take(batch)
+        snap.batch.reqs = [copy.copy(r) for r in batch.reqs]
+        return snap
+
+    monkeypatch.setattr(worker_base.ForwardSnapshot, "take", staticmethod(take_with_copied_reqs))
+    with PrefillEngine(forward_mode="thread-ahead", page_size=16, chunked_prefill_size=32) as eng:
+        with pytest.raises(TimeoutError):
+            eng.prefill([[3] * 100], timeout=5.0)
+        (req,) = eng.scheduler.live.values()
+        assert req.inflight_middle_chunks > 0  # the real counter never came down
+        with pytest.raises(InvariantError, match="live"):
+            eng.check_invariants()
+        assert eng.scheduler.req_pool.available_size() < eng.scheduler.req_pool.size
+
+
+@pytest.mark.parametrize("mode", ["thread-ahead", "proc", "proc-ahead"])
+def test_early_send_on_scheduler_thread_once_per_page(mode):
+    prompts = shared_prefix_prompts(3, n=10)
+    with PrefillEngine(forward_mode=mode, **ENGINE_KW) as eng:
+        s = eng.scheduler
+        threads, sends = set(), []
+        send_kv_chunk = s.send_kv_chunk
+
+        def spy(req, last, end_idx=None):
+            threads.add(threading.get_ident())
+            sends.append((req.rid, req.start_send_idx))
+            send_kv_chunk(req, last, end_idx)
+
+        s.send_kv_chunk = spy
+        s.steps = []
+        finished = []
+        s.on_finish = finished.append
+        eng.prefill(prompts)
+    assert threads == {threading.get_ident()}
+    early = [i for i, st in enumerate(s.steps) if st[0] == "early_send"]
+    assert early, "the workload has cache hits, so some prefix must go out early"
+    for i in early:  # each early send precedes the submit of its batch
+        after = [st[0] for st in s.steps[i + 1 :] if st[0] != "early_send"]
+        assert after[0] == "submit"
+    for req in finished:
+        pages = req.sender.sent_pages
+        assert len(pages) == len(set(pages)) == -(-req.prompt_len // 16)
