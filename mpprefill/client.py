@@ -1,0 +1,67 @@
+"""A small client of the prefill server (and of the decode receiver's router side)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+
+class Client:
+    """DEALER socket speaking the JSON request protocol; one frame per message."""
+
+    def __init__(self, address: str, ctx: zmq.Context | None = None):
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, uuid.uuid4().hex.encode())
+        self.sock.connect(address if "://" in address else f"tcp://{address}")
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sock.send(json.dumps(obj).encode())
+
+    def send_raw(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def generate(
+        self, rid: str, input_ids: list[int], bootstrap_room: int | None = None, **sampling
+    ) -> None:
+        msg = {
+            "type": "generate",
+            "rid": rid,
+            "input_ids": input_ids,
+            "sampling_params": sampling or {"temperature": 0.0},
+        }
+        if bootstrap_room is not None:
+            msg["bootstrap_room"] = bootstrap_room
+        self.send(msg)
+
+    def recv(self, timeout: float = 30.0) -> dict[str, Any]:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no reply within {timeout}s")
+        return json.loads(self.sock.recv())
+
+    def recv_until(self, rids: set[str], timeout: float = 60.0) -> dict[str, dict]:
+        """Replies for every rid in `rids` (others are kept under their rid too)."""
+        out: dict[str, dict] = {}
+        deadline = time.monotonic() + timeout
+        while not rids <= out.keys():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"missing replies for {sorted(rids - out.keys())[:5]}")
+            reply = self.recv(left)
+            out[reply.get("rid")] = reply
+        return out
+
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        self.send({"type": "stats"})
+        while True:
+            reply = self.recv(timeout)
+            if reply.get("status") == "stats":
+                return reply
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
