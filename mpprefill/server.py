@@ -38,6 +38,8 @@ class PrefillServer:
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
         self.sock.bind(f"tcp://{args.host}:{args.port}")
+        if args.record_batches:
+            self.scheduler.metrics.batch_shapes = []
         self._owner: dict[str, bytes] = {}
         self._stop = False
         self.exit_code = 0
@@ -126,7 +128,21 @@ class PrefillServer:
             },
             "req_slots": {"free": s.req_pool.available_size(), "total": s.req_pool.size},
             "counters": s.metrics.to_dict(),
+            "invariants": self._check_invariants(),
         }
+
+    def _check_invariants(self) -> dict:
+        """With --check-invariants, DESIGN.md's drained-state checks whenever idle."""
+        from mpprefill.scheduling.invariants import InvariantError, check_drained
+
+        s = self.scheduler
+        if not self.args.check_invariants or s.live or s.forwards_in_flight:
+            return {"checked": False}
+        try:
+            check_drained(s)
+        except (InvariantError, AssertionError) as e:
+            return {"checked": True, "ok": False, "error": str(e)}
+        return {"checked": True, "ok": True}
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -165,6 +181,9 @@ class PrefillServer:
 
     def close(self) -> None:
         t0 = time.monotonic()
+        if self.args.record_batches:
+            with open(self.args.record_batches, "w") as f:
+                json.dump(self.scheduler.metrics.batch_shapes, f)
         self.sock.close(linger=1000)
         self.transfer.close()
         self.worker.close()
@@ -173,16 +192,14 @@ class PrefillServer:
 
 
 def _make_transfer(args: ServerArgs, kv):
-    try:
-        from mpprefill.disagg.backends import make_transfer
-    except ImportError:
-        if args.disaggregation_transfer_backend != "fake":
-            raise
-        from mpprefill.disagg.sender import FakeTransfer
+    from mpprefill.disagg.backends import make_transfer
 
-        return FakeTransfer()
     return make_transfer(
-        args.disaggregation_transfer_backend, kv, args.page_size, args.decode_address
+        args.disaggregation_transfer_backend,
+        kv,
+        args.page_size,
+        args.decode_address,
+        bootstrap_timeout=args.bootstrap_timeout,
     )
 
 

@@ -1,0 +1,371 @@
+"""The decode receiver: receive pages per bootstrap room, answer the router, verify on demand.
+
+One ROUTER socket serves the router (register, abort) and the prefill transfer backends
+(bootstrap, transfer_done, abort, ping). A room's pages are freed once the router has
+its answer. Verification runs on a helper thread so the loop keeps answering pings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+import ipc
+from mpprefill.disagg import protocol as P
+from mpprefill.disagg.backends import DECODE_BACKENDS, make_decode_pool
+from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model import ForwardBatch, ModelConfig, load_model
+from mpprefill.model.loader import read_config
+
+logger = logging.getLogger(__name__)
+_DRAIN_S = 5.0  # pages of a room aborted by the router wait this long for the prefill's ok
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class DecodeArgs:
+    host: str = _f("127.0.0.1", "address the decode socket binds to")
+    port: int = _f(30200, "decode socket port (0: any free port)")
+    page_size: int = _f(16, "tokens per receive page")
+    max_total_tokens: int = _f(16384, "receive pool capacity in tokens")
+    model_path: str | None = _f(None, "model dir (its dims size the pool; --verify runs it)")
+    random_seed: int = _f(0, "seed of the built-in model's weights")
+    verify: bool = _f(False, "recompute each prompt's KV and compare it to what arrived")
+    disaggregation_transfer_backend: str = _f("shm", "how KV arrives", choices=DECODE_BACKENDS)
+    register_timeout: float = _f(30.0, "seconds a registration may wait for free pages")
+    log_level: str = _f("info", "logging level")
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.max_total_tokens < self.page_size:
+            raise ValueError("--max-total-tokens must hold at least one page of --page-size")
+        if self.disaggregation_transfer_backend not in DECODE_BACKENDS:
+            raise ValueError(f"--disaggregation-transfer-backend: one of {DECODE_BACKENDS}")
+
+    @classmethod
+    def from_namespace(cls, ns) -> DecodeArgs:
+        if isinstance(ns, cls):
+            return ns
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(ns, n) for n in names if getattr(ns, n, None) is not None})
+
+
+def add_decode_args(ap: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(DecodeArgs):
+        flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        if isinstance(f.default, bool):
+            ap.add_argument(flag, action="store_true", help=help)
+            continue
+        kind = {int: int, float: float}.get(type(f.default), str)
+        ap.add_argument(flag, type=kind, default=f.default, help=help, **_choices(f))
+
+
+def _choices(f: dataclasses.Field) -> dict:
+    return {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
+
+
+@dataclass(slots=True, eq=False)
+class Room:
+    rid: str
+    room: int
+    router: bytes  # identity the router's answer goes to
+    input_ids: list[int]
+    pages: torch.Tensor
+    prefix_len: int = 0
+    peer: bytes | None = None  # the prefill backend that bootstrapped it
+    verifying: bool = False
+
+
+class DecodeReceiver:
+    def __init__(self, args: DecodeArgs) -> None:
+        self.args = args
+        config = ModelConfig.tiny() if args.model_path is None else read_config(args.model_path)
+        layers, heads, dim = KVCache.model_dims(config)
+        num_pages = args.max_total_tokens // args.page_size
+        dtype_name = str(config.torch_dtype).removeprefix("torch.")
+        self.layout = P.PoolLayout(
+            dtype_name, layers, num_pages * args.page_size, heads, dim, args.page_size
+        )
+        backend = args.disaggregation_transfer_backend
+        self.pool = make_decode_pool(backend, self.layout, config.torch_dtype, args.host)
+        self._pool_desc = self.pool.describe()
+        self.allocator = PagedTokenAllocator(num_pages, args.page_size)
+        self.model = load_model(args.model_path, seed=args.random_seed) if args.verify else None
+        self.rooms: dict[int, Room] = {}
+        self.pending: deque[tuple[P.Register, bytes, float]] = deque()
+        self.draining: dict[int, tuple[torch.Tensor, float]] = {}
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kv-verify")
+        self._checks: list[tuple[Room, int, Future]] = []
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 200)
+        try:
+            self.port = self._bind(f"tcp://{args.host}", args.port)
+        except zmq.ZMQError:
+            self.sock.close()
+            self.pool.close()
+            raise
+        logger.info(
+            "decode receiver on %s:%d, %d pages (%s)", args.host, self.port, num_pages, backend
+        )
+
+    def _bind(self, url: str, port: int) -> int:
+        if port == 0:
+            return self.sock.bind_to_random_port(url)
+        self.sock.bind(f"{url}:{port}")
+        return port
+
+    @property
+    def address(self) -> str:
+        return f"{self.args.host}:{self.port}"
+
+    # ---- loop ----------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        while not self._stop.is_set():
+            self.step(10 if self._checks else 100)
+
+    def step(self, timeout_ms: int) -> None:
+        if self.sock.poll(timeout_ms):
+            for _ in range(256):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_frames(frames)
+        self._collect_checks()
+        self._expire(time.monotonic())
+
+    def stop(self) -> None:
+        """Ask `serve_forever` to return (safe from a signal handler)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        self._verifier.shutdown(wait=False, cancel_futures=True)
+        for room in list(self.rooms.values()):
+            self._send(room.router, P.RouterReply(room.rid, "error", error="decode shut down"))
+            if room.peer is not None:
+                self._send(room.peer, P.Abort(room.room))
+        for reg, ident, _ in self.pending:
+            self._send(ident, P.RouterReply(reg.rid, "error", error="decode shut down"))
+        self.sock.close()
+        self._ctx.term()
+        self.pool.close()
+
+    # ---- messages ----------------------------------------------------------------------
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            logger.warning("malformed message of %d frames", len(frames) - 1)
+            self._send(frames[0], P.ErrorReply("one JSON frame per message"))
+            return
+        ident, frame = frames
+        try:
+            msg = P.decode(frame)
+        except P.ProtocolError as e:
+            logger.warning("malformed frame: %s", e)
+            reply = P.RouterReply(e.rid, "error", error=str(e)) if e.rid else None
+            self._send(ident, reply or P.ErrorReply(f"malformed frame: {e}", e.room))
+            return
+        handler = self._HANDLERS.get(type(msg))
+        if handler is None:
+            self._send(ident, P.ErrorReply(f"unexpected {type(msg).__name__} message"))
+        else:
+            handler(self, ident, msg)
+
+    def _on_register(self, ident: bytes, msg: P.Register) -> None:
+        r = msg.bootstrap_room
+        if (
+            r in self.rooms
+            or r in self.draining
+            or any(p.bootstrap_room == r for p, *_ in self.pending)
+        ):
+            self._send(ident, P.RouterReply(msg.rid, "error", error=f"room {r} is in use"))
+            return
+        need = cdiv(len(msg.input_ids), self.args.page_size)
+        if need > self.allocator.num_pages:
+            error = f"prompt needs {need} pages, the pool has {self.allocator.num_pages}"
+            self._send(ident, P.RouterReply(msg.rid, "error", error=error))
+            return
+        self.pending.append((msg, ident, time.monotonic() + self.args.register_timeout))
+        self._admit_pending()
+
+    def _admit_pending(self) -> None:
+        while self.pending:
+            msg, ident, _ = self.pending[0]
+            pages = self.allocator.alloc_pages(cdiv(len(msg.input_ids), self.args.page_size))
+            if pages is None:
+                return
+            self.pending.popleft()
+            r = msg.bootstrap_room
+            self.rooms[r] = Room(msg.rid, r, ident, msg.input_ids, pages)
+
+    def _on_bootstrap(self, ident: bytes, msg: P.Bootstrap) -> None:
+        room = self.rooms.get(msg.room)
+        if room is None:
+            self._send(ident, P.BootstrapReply(msg.room, "unknown"))
+            return
+        room.peer = ident
+        pages = room.pages.tolist()
+        self._send(
+            ident, P.BootstrapReply(msg.room, "ready", self._pool_desc, pages, room.prefix_len)
+        )
+
+    def _on_transfer_done(self, ident: bytes, msg: P.TransferDone) -> None:
+        room = self.rooms.get(msg.room)
+        if room is None or room.verifying:
+            self._send(ident, P.Ack(msg.room, False, f"room {msg.room} is not receiving"))
+            return
+        room.peer = ident
+        expected = len(room.pages) - room.prefix_len // self.args.page_size
+        if msg.num_pages != expected:
+            error = f"{msg.num_pages} pages arrived, {expected} expected"
+            self._send(ident, P.Ack(msg.room, False, error))
+            self._finish(room, P.RouterReply(room.rid, "error", error=error))
+        elif self.model is not None:
+            room.verifying = True
+            received = self._received_kv(room)
+            future = self._verifier.submit(self._compare, room, received)
+            self._checks.append((room, msg.first_token, future))
+        else:
+            self._deliver(room, msg.first_token, None, None)
+
+    def _on_abort(self, ident: bytes, msg: P.Abort) -> None:
+        r = msg.room
+        if r in self.draining:
+            self.allocator.free(self.draining.pop(r)[0] * self.args.page_size)
+            self._admit_pending()
+        elif r in self.rooms:
+            room = self.rooms[r]
+            by_router = ident == room.router and room.peer not in (None, ident)
+            reply = P.RouterReply(room.rid, "error", error="aborted")
+            self._finish(room, reply, drain=by_router)
+        elif any(p.bootstrap_room == r for p, *_ in self.pending):
+            reg, router, _ = next(p for p in self.pending if p[0].bootstrap_room == r)
+            self.pending = deque(p for p in self.pending if p[0].bootstrap_room != r)
+            self._send(router, P.RouterReply(reg.rid, "error", error="aborted"))
+        else:
+            self._send(ident, P.ErrorReply(f"unknown room {r}", r))
+
+    def _on_ping(self, ident: bytes, msg: P.Ping) -> None:
+        self._send(ident, P.Pong())
+
+    _HANDLERS = {
+        P.Register: _on_register,
+        P.Bootstrap: _on_bootstrap,
+        P.TransferDone: _on_transfer_done,
+        P.Abort: _on_abort,
+        P.Ping: _on_ping,
+    }
+
+    # ---- room endings --------------------------------------------------------------------
+
+    def _deliver(self, room: Room, first_token: int, verified, max_abs_err) -> None:
+        if room.peer is not None:
+            self._send(room.peer, P.Ack(room.room, True))
+        reply = P.RouterReply(room.rid, "done", first_token, verified, max_abs_err)
+        self._finish(room, reply)
+
+    def _finish(self, room: Room, reply: P.RouterReply, drain: bool = False) -> None:
+        """Answer the router and free the pages (after the prefill confirms, when drain)."""
+        self.rooms.pop(room.room, None)
+        self._send(room.router, reply)
+        if drain:
+            self._send(room.peer, P.Abort(room.room))
+            self.draining[room.room] = (room.pages, time.monotonic() + _DRAIN_S)
+            return
+        self.allocator.free(room.pages * self.args.page_size)
+        self._admit_pending()
+
+    def _expire(self, now: float) -> None:
+        for msg, ident, deadline in [p for p in self.pending if p[2] < now]:
+            self.pending.remove((msg, ident, deadline))
+            error = f"no free receive pages within {self.args.register_timeout:.1f} s"
+            self._send(ident, P.RouterReply(msg.rid, "error", error=error))
+        for r in [r for r, (_, deadline) in self.draining.items() if deadline < now]:
+            self.allocator.free(self.draining.pop(r)[0] * self.args.page_size)
+            self._admit_pending()
+
+    def _send(self, ident: bytes, msg: P.Message) -> None:
+        try:
+            self.sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.warning("could not answer %s: %s", type(msg).__name__, e)
+
+    # ---- verification --------------------------------------------------------------------
+
+    def _received_kv(self, room: Room) -> torch.Tensor:
+        """A copy of the room's received KV [2, L, prompt_len, H, D]."""
+        slots = self.allocator.slots_of(room.pages)[: len(room.input_ids)]
+        return self.pool.kv.gather(slots)
+
+    def _compare(self, room: Room, received: torch.Tensor) -> tuple[bool, float]:
+        expected = reference_kv(self.model, room.input_ids, self.args.page_size)
+        p = room.prefix_len
+        got, want = received[:, :, p:].float(), expected[:, :, p:].float()
+        err = float((got - want).abs().max()) if got.numel() else 0.0
+        atol = 1e-4 if expected.dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(got, want, rtol=atol, atol=atol)), err
+
+    def _collect_checks(self) -> None:
+        done = [c for c in self._checks if c[2].done()]
+        self._checks = [c for c in self._checks if not c[2].done()]
+        for room, first_token, future in done:
+            if self.rooms.get(room.room) is not room:
+                continue  # aborted meanwhile
+            try:
+                verified, err = future.result()
+            except Exception:
+                logger.exception("verification of room %d failed", room.room)
+                verified, err = False, None
+            self._deliver(room, first_token, verified, err)
+
+
+def reference_kv(model, input_ids: list[int], page_size: int) -> torch.Tensor:
+    """KV of one dense prefill of the whole prompt: [2, L, len(input_ids), H, D]."""
+    n = len(input_ids)
+    kv = KVCache.for_model(model.config, cdiv(n, page_size) * page_size)
+    model(ForwardBatch.build([input_ids], [0], [list(range(n))]), kv)
+    return kv.buffer[:, :, :n]
+
+
+def run_decode(args) -> int:
+    """Entry of `mpprefill decode`: serve until SIGINT/SIGTERM, then clean up."""
+    receiver = DecodeReceiver(DecodeArgs.from_namespace(args))
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: receiver.stop())
+        ipc.install_signal_cleanup()
+    try:
+        receiver.serve_forever()
+    finally:
+        receiver.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mpprefill-decode", description=__doc__)
+    add_decode_args(ap)
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_decode(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

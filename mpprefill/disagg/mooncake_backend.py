@@ -1,0 +1,146 @@
+"""mooncake backend: pages move through the Mooncake transfer engine (TCP, P2P handshake).
+
+Both pools are registered with an engine. The decode side describes its pool by session
+id and base address; the prefill thread writes every (K/V, layer, run of pages) chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import torch
+
+from mpprefill.disagg.protocol import PoolLayout
+from mpprefill.disagg.transfer import DEFAULT_DECODE_ADDRESS, TransferBackend
+from mpprefill.memory.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+# NOTE: measured here, one batch of more than about 2,100 entries fails (-1) and leaves the
+# session unusable; a send is split into batches of at most this many entries.
+MAX_BATCH_ENTRIES = 1024
+
+
+class MooncakeUnavailable(RuntimeError):
+    """The engine cannot be imported or initialised on this machine."""
+
+
+def start_engine(host: str):
+    """An initialised TransferEngine and its session id `host:rpc_port`."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:  # also missing libibverbs/librdmacm/libnuma
+        raise MooncakeUnavailable(f"cannot import mooncake.engine: {e}") from e
+    engine = TransferEngine()
+    try:
+        rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
+    except Exception as e:
+        raise MooncakeUnavailable(f"TransferEngine.initialize({host!r}) raised: {e}") from e
+    if rc != 0:
+        raise MooncakeUnavailable(f"TransferEngine.initialize({host!r}, P2PHANDSHAKE, tcp) = {rc}")
+    return engine, f"{host}:{engine.get_rpc_port()}"
+
+
+def _register(engine, t: torch.Tensor) -> None:
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("mooncake (non-CUDA build) needs a contiguous CPU KV buffer")
+    rc = engine.register_memory(t.data_ptr(), t.numel() * t.element_size())
+    if rc != 0:
+        raise MooncakeUnavailable(f"register_memory failed ({rc})")
+
+
+def local_host_for(remote_host: str) -> str:
+    """This machine's address on the route to `remote_host` (no packet is sent)."""
+    if remote_host in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((remote_host, 9))
+        return s.getsockname()[0]
+
+
+class MooncakePool:
+    """The decode receiver's pool: a plain CPU tensor registered with its own engine."""
+
+    kind = "mooncake"
+
+    def __init__(self, layout: PoolLayout, dtype: torch.dtype, host: str) -> None:
+        self.layout = layout
+        self.engine, self.session_id = start_engine(host)
+        dims = (layout.num_layers, layout.num_slots, layout.num_kv_heads, layout.head_dim)
+        self.kv = KVCache(*dims, dtype=dtype)
+        _register(self.engine, self.kv.buffer)
+        logger.info("decode pool registered with mooncake session %s", self.session_id)
+
+    def describe(self) -> dict:
+        base = self.kv.buffer.data_ptr()
+        return {
+            "kind": self.kind,
+            "layout": self.layout.to_dict(),
+            "session_id": self.session_id,
+            "base": base,
+        }
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.unregister_memory(self.kv.buffer.data_ptr())
+            self.engine = None
+
+
+class MooncakeTransfer(TransferBackend):
+    """Writes with `batch_transfer_sync_write`: one batch per send (split past the cap)."""
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        kv: KVCache,
+        page_size: int,
+        decode_address: str | None = None,
+        local_host: str | None = None,
+        **kw,
+    ):
+        decode_host = (decode_address or DEFAULT_DECODE_ADDRESS).rsplit(":", 1)[0]
+        host = local_host or local_host_for(decode_host)
+        self.engine, self.session_id = start_engine(host)
+        _register(self.engine, kv.buffer)
+        super().__init__(kv, page_size, decode_address, **kw)
+
+    def _attach(self, pool: dict) -> tuple[PoolLayout, tuple[str, int, PoolLayout]]:
+        if pool.get("kind") != self.name:
+            raise ValueError(f"decode pool is {pool.get('kind')!r}, this backend writes mooncake")
+        layout = PoolLayout.from_dict(pool.get("layout"))
+        session, base = pool.get("session_id"), pool.get("base")
+        if not isinstance(session, str) or not isinstance(base, int) or base <= 0:
+            raise ValueError(f"bad mooncake pool: session {session!r}, base {base!r}")
+        return layout, (session, base, layout)
+
+    def _write(self, remote, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+        session, dst_base, layout = remote
+        src, dst, lens = self._chunks(src_pages, dst_pages, layout, dst_base)
+        for i in range(0, len(src), MAX_BATCH_ENTRIES):
+            j = i + MAX_BATCH_ENTRIES
+            rc = self.engine.batch_transfer_sync_write(session, src[i:j], dst[i:j], lens[i:j])
+            if rc != 0:
+                raise RuntimeError(f"batch_transfer_sync_write to {session} returned {rc}")
+
+    def _chunks(self, src_pages, dst_pages, layout: PoolLayout, dst_base: int):
+        """(src addresses, dst addresses, lengths): one chunk per (K/V, layer, page run)."""
+        buf = self.kv.buffer
+        slot_bytes = buf.shape[3] * buf.shape[4] * buf.element_size()
+        page_bytes = self.page_size * slot_bytes
+        n = len(src_pages)
+        brk = torch.ones(n, dtype=torch.bool)
+        brk[1:] = (src_pages.diff() != 1) | (dst_pages.diff() != 1)
+        starts = brk.nonzero().flatten()
+        runs = torch.diff(starts, append=torch.tensor([n]))
+        plane = torch.arange(2 * self.layout.num_layers, dtype=torch.int64)[:, None]
+        src = buf.data_ptr() + plane * (buf.shape[2] * slot_bytes) + src_pages[starts] * page_bytes
+        dst = dst_base + plane * (layout.num_slots * slot_bytes) + dst_pages[starts] * page_bytes
+        lens = (runs * page_bytes).expand_as(src)
+        return src.flatten().tolist(), dst.flatten().tolist(), lens.flatten().tolist()
+
+    def _release(self) -> None:
+        if self.engine is not None:
+            self.engine.unregister_memory(self.kv.buffer.data_ptr())
+            self.engine = None

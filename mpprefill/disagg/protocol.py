@@ -1,0 +1,296 @@
+"""JSON messages between the router, the decode receiver and the prefill transfer backend.
+
+One JSON object per ZeroMQ frame; nothing is pickled. Every message but the router reply
+carries a "type"; the router reply has the shape of the server's reply to its client.
+
+  sender -> receiver      type              fields
+  router -> decode        register          rid, bootstrap_room, input_ids
+  decode -> router        (none)            rid, status done|error, first_token, verified,
+                                            max_abs_err | error
+  prefill -> decode       bootstrap         room
+  decode -> prefill       bootstrap_reply   room, status ready|unknown|error, pool,
+                                            dst_pages, decode_prefix_len, error
+  prefill -> decode       transfer_done     room, first_token, num_pages
+  decode -> prefill       ack               room, ok, error
+  either way              abort             room
+  prefill -> decode       ping              (decode answers pong)
+  decode -> anyone        error             error, room (a frame it could not use)
+
+NOTE: dst_pages lists every receive page of the room, prompt order. The first
+decode_prefix_len // page_size of them already hold KV; the k-th page the prefill side
+sends goes to dst_pages[decode_prefix_len // page_size + k].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; rid/room are kept when they were readable."""
+
+    def __init__(self, message: str, rid: str | None = None, room: int | None = None):
+        super().__init__(message)
+        self.rid, self.room = rid, room
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """Shape of a KV pool as both sides see it: [2, num_layers, num_slots, heads, head_dim]."""
+
+    dtype: str
+    num_layers: int
+    num_slots: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+
+    @classmethod
+    def of(cls, buffer: Any, page_size: int) -> PoolLayout:
+        """Layout of a KV buffer tensor [2, num_layers, num_slots, heads, head_dim]."""
+        _, layers, slots, heads, dim = buffer.shape
+        return cls(str(buffer.dtype).removeprefix("torch."), layers, slots, heads, dim, page_size)
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_slots // self.page_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> PoolLayout:
+        if not isinstance(d, dict):
+            raise ProtocolError("pool layout must be an object")
+        kw = {f.name: d.get(f.name) for f in dataclasses.fields(cls)}
+        checks = {k: _str if k == "dtype" else lambda v, k: _int(v, k, minimum=1) for k in kw}
+        return cls(**{k: checks[k](v, f"layout.{k}") for k, v in kw.items()})
+
+    def mismatch(self, other: PoolLayout) -> str | None:
+        """Why pages of `self` cannot be copied into `other` (None when they can)."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        diff = [k for k in mine if k != "num_slots" and mine[k] != theirs[k]]
+        return None if not diff else f"pool layouts differ in {diff}: {mine} vs {theirs}"
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    rid: str
+    bootstrap_room: int
+    input_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterReply:
+    rid: str
+    status: str  # "done" | "error"
+    first_token: int | None = None
+    verified: bool | None = None
+    max_abs_err: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapReply:
+    room: int
+    status: str  # "ready" | "unknown" | "error"
+    pool: dict[str, Any] | None = None
+    dst_pages: list[int] = field(default_factory=list)
+    decode_prefix_len: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone:
+    room: int
+    first_token: int
+    num_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    room: int
+    ok: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    error: str
+    room: int | None = None
+
+
+Message = (
+    Register
+    | RouterReply
+    | Bootstrap
+    | BootstrapReply
+    | TransferDone
+    | Ack
+    | Abort
+    | Ping
+    | Pong
+    | ErrorReply
+)
+
+# ---- field checks ------------------------------------------------------------------------
+
+
+def _int(v: Any, name: str, minimum: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ProtocolError(f"{name} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _str(v: Any, name: str) -> str:
+    if not isinstance(v, str):
+        raise ProtocolError(f"{name} must be a string, got {v!r}")
+    return v
+
+
+def _ints(v: Any, name: str) -> list[int]:
+    if not isinstance(v, list):
+        raise ProtocolError(f"{name} must be a list of integers")
+    return [_int(x, name) for x in v]
+
+
+def _tokens(v: Any, name: str) -> list[int]:
+    ids = _ints(v, name)
+    if not ids:
+        raise ProtocolError(f"{name} must not be empty")
+    return ids
+
+
+def _choice(*allowed: str) -> Callable[[Any, str], str]:
+    def check(v: Any, name: str) -> str:
+        if v not in allowed:
+            raise ProtocolError(f"{name} must be one of {allowed}, got {v!r}")
+        return v
+
+    return check
+
+
+def _optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    return lambda v, name: None if v is None else check(v, name)
+
+
+def _typed(*types: type) -> Callable[[Any, str], Any]:
+    """Exactly these JSON types (a bool is not a number here)."""
+
+    def check(v: Any, name: str) -> Any:
+        if isinstance(v, bool) != (bool in types) or not isinstance(v, types):
+            raise ProtocolError(f"{name} must be {'/'.join(t.__name__ for t in types)}: {v!r}")
+        return v
+
+    return check
+
+
+_bool, _float, _object = _typed(bool), _typed(int, float), _typed(dict)
+
+
+_S = {
+    "register": (Register, {"rid": _str, "bootstrap_room": _int, "input_ids": _tokens}),
+    "bootstrap": (Bootstrap, {"room": _int}),
+    "bootstrap_reply": (
+        BootstrapReply,
+        {
+            "room": _int,
+            "status": _choice("ready", "unknown", "error"),
+            "pool": _optional(_object),
+            "dst_pages": _ints,
+            "decode_prefix_len": _int,
+            "error": _optional(_str),
+        },
+    ),
+    "transfer_done": (TransferDone, {"room": _int, "first_token": _int, "num_pages": _int}),
+    "ack": (Ack, {"room": _int, "ok": _bool, "error": _optional(_str)}),
+    "abort": (Abort, {"room": _int}),
+    "ping": (Ping, {}),
+    "pong": (Pong, {}),
+    "error": (ErrorReply, {"error": _str, "room": _optional(_int)}),
+}
+_ROUTER_REPLY = {
+    "rid": _str,
+    "status": _choice("done", "error"),
+    "first_token": _optional(_int),
+    "verified": _optional(_bool),
+    "max_abs_err": _optional(_float),
+    "error": _optional(_str),
+}
+_TYPES = {cls: name for name, (cls, _) in _S.items()}
+
+# ---- codec ---------------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> bytes:
+    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    if isinstance(msg, RouterReply):
+        keep = ("first_token", "verified", "max_abs_err") if msg.status == "done" else ("error",)
+        body = {"rid": msg.rid, "status": msg.status, **{k: body[k] for k in keep}}
+    else:
+        body = {"type": _TYPES[type(msg)], **body}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode(frame: bytes) -> Message:
+    """Parse and validate one frame; ProtocolError (with rid/room when readable) otherwise."""
+    try:
+        obj = json.loads(frame)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"frame is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("frame is not a JSON object")
+    try:
+        return _build(obj)
+    except ProtocolError as e:
+        raise ProtocolError(str(e), *_readable_ids(obj)) from None
+
+
+def _build(obj: dict[str, Any]) -> Message:
+    kind = obj.get("type")
+    if kind is None and "status" in obj and "rid" in obj:
+        cls, schema = RouterReply, _ROUTER_REPLY
+    elif kind in _S:
+        cls, schema = _S[kind]
+    else:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    required = {f.name for f in dataclasses.fields(cls) if _required(f)}
+    missing = sorted(required - set(obj))
+    if missing:
+        raise ProtocolError(f"{kind or 'reply'}: missing fields {missing}")
+    return cls(**{name: check(obj[name], name) for name, check in schema.items() if name in obj})
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _readable_ids(obj: dict[str, Any]) -> tuple[str | None, int | None]:
+    rid = obj.get("rid") if isinstance(obj.get("rid"), str) else None
+    room = obj.get("room", obj.get("bootstrap_room"))
+    ok_room = isinstance(room, int) and not isinstance(room, bool) and room >= 0
+    return rid, room if ok_room else None

@@ -1,0 +1,119 @@
+"""shm backend: the decode pool is a POSIX shared-memory segment the prefill side maps.
+
+Decode side: `ShmPool` creates the segment and describes it by its tensor handle.
+Prefill side: `ShmTransfer` opens the handle once and copies pages straight into it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import ipc
+from mpprefill.disagg.protocol import PoolLayout
+from mpprefill.disagg.transfer import TransferBackend
+from mpprefill.memory.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+DECODE_SHM_TAG = "mppdecode"
+
+
+# NOTE: copies go through a [2 * num_layers, num_pages, page_size * heads * head_dim] view:
+# index_select/index_copy_ over dim 1 of that 3-D view run at memory speed, while the same
+# gather over the page dim of a 6-D [2, L, pages, page, H, D] view is ~15x slower on CPU.
+_STAGE_BYTES = 64 << 20  # largest gather staged at once; bigger sends go in parts
+
+
+def plane_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[2, L, slots, H, D] -> [2 * L, num_pages, page_size * H * D] (whole pages only)."""
+    two, layers, slots, heads, dim = buffer.shape
+    pages = slots // page_size
+    planes = buffer.view(two * layers, slots, heads * dim)[:, : pages * page_size]
+    return planes.reshape(two * layers, pages, page_size * heads * dim)
+
+
+def kv_shape(layout: PoolLayout) -> tuple[int, int, int, int, int]:
+    return KVCache.shape(layout.num_layers, layout.num_slots, layout.num_kv_heads, layout.head_dim)
+
+
+class ShmPool:
+    """The decode receiver's pool in a segment named after this process (swept if it dies)."""
+
+    kind = "shm"
+
+    def __init__(self, layout: PoolLayout, dtype: torch.dtype) -> None:
+        ipc.sweep_stale(DECODE_SHM_TAG)
+        self.layout = layout
+        self.shared = ipc.SharedTensor.create(
+            kv_shape(layout), dtype, ipc.new_prefix(DECODE_SHM_TAG)
+        )
+        self.kv = KVCache(*kv_shape(layout)[1:], dtype=dtype, buffer=self.shared.tensor)
+        logger.info("decode pool: %s (%d pages)", self.shared.handle.name, layout.num_pages)
+
+    def describe(self) -> dict:
+        handle = self.shared.handle.to_dict()
+        return {"kind": self.kind, "layout": self.layout.to_dict(), "handle": handle}
+
+    def close(self) -> None:
+        self.shared.close()
+        self.shared.unlink()
+
+
+class ShmTransfer(TransferBackend):
+    """Writes pages into the decode's segment: one gather and one scatter per send."""
+
+    name = "shm"
+
+    def __init__(self, kv: KVCache, page_size: int, decode_address: str | None = None, **kw):
+        self._handle: ipc.TensorHandle | None = None
+        self._remote: torch.Tensor | None = None  # decode pool, plane view
+        self._src = plane_view(kv.buffer, page_size)
+        planes, _, page_numel = self._src.shape
+        self._stage_pages = max(1, _STAGE_BYTES // (planes * page_numel * kv.buffer.element_size()))
+        self._stage = torch.empty(0, dtype=kv.dtype, device=kv.device)
+        super().__init__(kv, page_size, decode_address, **kw)
+
+    def _attach(self, pool: dict) -> tuple[PoolLayout, torch.Tensor]:
+        if pool.get("kind") != self.name:
+            raise ValueError(f"decode pool is {pool.get('kind')!r}, this backend writes shm")
+        layout = PoolLayout.from_dict(pool.get("layout"))
+        handle = ipc.TensorHandle.from_dict(pool.get("handle") or {})
+        if self._handle is None or handle.key != self._handle.key:
+            self._open(handle, layout)
+        return layout, self._remote
+
+    def _open(self, handle: ipc.TensorHandle, layout: PoolLayout) -> None:
+        shape = kv_shape(layout)
+        if handle.kind != "shm" or handle.shape != shape or handle.dtype != layout.dtype:
+            raise ValueError(f"decode pool handle {handle.shape} {handle.dtype} != layout {shape}")
+        self._release()  # a restarted decode side has a new segment
+        self._remote = plane_view(ipc.open_handle(handle), layout.page_size)
+        self._handle = handle
+
+    def _write(self, remote, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+        src_pages = src_pages.to(self._src.device)
+        for i in range(0, len(src_pages), self._stage_pages):
+            j = i + self._stage_pages
+            staged = self._staging(len(src_pages[i:j]))
+            torch.index_select(self._src, 1, src_pages[i:j], out=staged)
+            remote.index_copy_(1, dst_pages[i:j], staged.to(remote.device))
+
+    def _staging(self, num_pages: int) -> torch.Tensor:
+        """A reused buffer: a fresh one per send would page-fault its whole size each time."""
+        planes, _, page_numel = self._src.shape
+        numel = planes * num_pages * page_numel
+        if self._stage.numel() < numel:
+            self._stage = torch.empty(numel, dtype=self._src.dtype, device=self._src.device)
+        return self._stage[:numel].view(planes, num_pages, page_numel)
+
+    def _release(self) -> None:
+        if self._handle is not None:
+            ipc.close_handle(self._handle)
+        self._handle = self._remote = None
+
+    @property
+    def remote_pool(self) -> torch.Tensor | None:
+        """The attached decode pool as [2 * L, num_pages, page_size * H * D] (for checks)."""
+        return self._remote
