@@ -44,6 +44,7 @@ class ServerArgs:
     max_queued_requests: int = _f(4096, "waiting requests beyond this get 'overloaded'")
     bootstrap_timeout: float = _f(30.0, "seconds a request may wait for its decode side")
     random_seed: int = _f(0, "seed of the built-in model's weights")
+    record_batches: str | None = _f(None, "on exit, write every batch's shape (JSON) here")
     log_level: str = _f("info", "logging level")
 
     def __post_init__(self):

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import enum
+
 from mpprefill.memory.allocator import PagedTokenAllocator
 from mpprefill.memory.radix_cache import RadixCache
 from mpprefill.scheduling.req import Req
+
+
+class AddResult(enum.Enum):
+    ADDED = "added"
+    DEFER = "defer"  # skip for now, keep scanning
+    FULL = "full"  # stop admitting
 
 
 class PrefillAdder:
@@ -27,8 +35,10 @@ class PrefillAdder:
         chunk_size: int | None,
         max_reqs: int,
         free_rows: int,
+        pending_keys: dict[tuple, int] | None = None,
     ):
         self.tree, self.allocator, self.page_size = tree, allocator, page_size
+        self.pending_keys = {} if pending_keys is None else pending_keys
         self.rem_input = max_prefill_tokens
         self.rem_chunk = chunk_size  # None: no chunking
         self.rem_reqs = min(max_reqs, free_rows)
@@ -54,12 +64,19 @@ class PrefillAdder:
         """Schedule the next chunk of the request that was cut in the previous batch."""
         self._take(req, self._extend_len(req))
 
-    def add_one_req(self, req: Req) -> bool:
-        """Match, lock and admit `req` if it fits; False when it does not (stop admitting)."""
+    def add_one_req(self, req: Req) -> AddResult:
+        """Match, lock and admit `req` if it fits.
+
+        DEFER: its next uncached page is being computed for another request right now, so
+        it waits to hit the cache instead of computing the same KV twice.
+        """
         if self.full:
-            return False
+            return AddResult.FULL
         match = self.tree.match_prefix(req.origin_input_ids)
         prefix = match.indices[: self._max_prefix(req)]
+        key = self._prefix_key(req, len(prefix))
+        if key is not None and self.pending_keys.get(key, 0) > 0:
+            return AddResult.DEFER
         self.tree.inc_lock_ref(match.last_node)
         req.prefix_indices, req.last_node = prefix, match.last_node
         req.cache_protected_len = len(prefix)
@@ -67,10 +84,20 @@ class PrefillAdder:
         if n <= 0:
             self.tree.dec_lock_ref(match.last_node)
             req.prefix_indices, req.last_node, req.cache_protected_len = prefix[:0], None, 0
-            return False
+            return AddResult.FULL
         req.cached_tokens = len(prefix)
+        if key is not None:
+            req.prefix_key = key
+            self.pending_keys[key] = self.pending_keys.get(key, 0) + 1
         self._take(req, n)
-        return True
+        return AddResult.ADDED
+
+    def _prefix_key(self, req: Req, prefix_len: int) -> tuple | None:
+        """(offset, tokens) of the first uncached page, when a whole page is uncached."""
+        page = req.origin_input_ids[prefix_len : prefix_len + self.page_size]
+        if len(page) < self.page_size or prefix_len + self.page_size >= req.prompt_len:
+            return None
+        return (prefix_len, tuple(page))
 
     def _max_prefix(self, req: Req) -> int:
         # At least one token must be computed to produce logits for the first token.

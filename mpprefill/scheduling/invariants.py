@@ -17,6 +17,7 @@ def check_drained(s: Scheduler, flush: bool = False) -> dict[str, int]:
     _expect(not s.live, f"{len(s.live)} requests still live")
     _expect(s.forwards_in_flight == 0, "a forward is still in flight")
     _expect(s.chunked_req is None, "a chunked request is pending")
+    _expect(not s.pending_prefix_keys, "prefix keys still marked in flight")
     for q in ("incoming", "bootstrap_queue", "waiting", "inflight_queue"):
         _expect(not getattr(s, q), f"{q} is not empty")
     s.req_pool.check()

@@ -18,12 +18,16 @@ class SchedulerMetrics:
     num_failed: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    batch_shapes: list[tuple[list[int], list[int]]] | None = None  # (prefix, extend) lens
 
     def add_phase(self, name: str, seconds: float) -> None:
         self.phase_s[name] += seconds
         self.phase_n[name] += 1
 
     def on_forward(self, snap, result) -> None:
+        if self.batch_shapes is not None:
+            fb = snap.forward
+            self.batch_shapes.append((fb.prefix_lens.tolist(), fb.extend_lens.tolist()))
         self.num_batches += 1
         self.forward_s += result.forward_s
         self.batch_tokens += snap.forward.num_tokens
@@ -41,7 +45,12 @@ class SchedulerMetrics:
         return self.prompt_tokens - self.cached_tokens
 
     def to_dict(self) -> dict:
+        mb = self.mailbox_bytes
         return {
+            "mailbox_bytes_per_batch": {
+                "mean": sum(mb) / len(mb) if mb else 0.0,
+                "max": max(mb, default=0),
+            },
             "num_batches": self.num_batches,
             "forward_s": self.forward_s,
             "batch_tokens": self.batch_tokens,

@@ -23,6 +23,7 @@ class ResultProcessing:
         t0 = time.perf_counter()
         tokens = result.next_token_ids.tolist()
         for i, req in enumerate(batch.reqs):
+            self._release_prefix_key(req)
             if req.inflight_middle_chunks > 0:
                 req.inflight_middle_chunks -= 1
                 if req.finished:
@@ -42,6 +43,15 @@ class ResultProcessing:
             self.send_kv_chunk(req, last=True)
         self.step("P", batch.seq)
         self.metrics.add_phase("P", time.perf_counter() - t0)
+
+    def _release_prefix_key(self, req: Req) -> None:
+        """Its first computed page is (or is about to be) in the tree: others may match it."""
+        key, req.prefix_key = req.prefix_key, None
+        left = self.pending_prefix_keys.get(key, 0) - 1
+        if left > 0:
+            self.pending_prefix_keys[key] = left
+        else:
+            self.pending_prefix_keys.pop(key, None)
 
     def send_kv_chunk(self, req: Req, last: bool, end_idx: int | None = None) -> None:
         """Send KV [start_send_idx, end) of `req`; a non-final send stops on a page boundary."""
@@ -67,10 +77,13 @@ class ResultProcessing:
         """
         cached_end = req.prefix_len
         if cached_end > req.start_send_idx:
+            t0 = time.perf_counter()
             self.step("early_send", -1)
             self.send_kv_chunk(req, last=False, end_idx=cached_end)
+            self.metrics.add_phase("early-send", time.perf_counter() - t0)
 
     def process_inflight_queue(self) -> None:
+        t0 = time.perf_counter()
         keep = []
         for req in self.inflight_queue:
             state = req.sender.poll()
@@ -83,6 +96,7 @@ class ResultProcessing:
             else:
                 keep.append(req)
         self.inflight_queue = keep
+        self.metrics.add_phase("inflight", time.perf_counter() - t0)
 
     def _release(self, req: Req) -> None:
         self.tree.cache_finished_req(req)
@@ -127,6 +141,7 @@ class ResultProcessing:
     def fail_all(self, reason: str) -> int:
         """The worker is gone: every live request gets an error; pools are abandoned."""
         reqs = list(self.live.values())
+        self.pending_prefix_keys.clear()
         for req in reqs:
             if req.sender is not None:
                 req.sender.abort()

@@ -42,6 +42,7 @@ class Req:
     is_chunked: bool = False
     cached_tokens: int = 0  # prompt tokens served from a cache at first admission
     first_admitted: bool = False
+    prefix_key: tuple | None = None  # its first uncached page while being computed
     # transfer state
     sender: Any = None
     start_send_idx: int = 0

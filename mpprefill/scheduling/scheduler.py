@@ -20,7 +20,7 @@ from mpprefill.memory.radix_cache import RadixCache
 from mpprefill.memory.req_to_token import ReqToTokenPool
 from mpprefill.model import ForwardBatch, ModelConfig
 from mpprefill.sampling import SamplingBatchInfo
-from mpprefill.scheduling.adder import PrefillAdder
+from mpprefill.scheduling.adder import AddResult, PrefillAdder
 from mpprefill.scheduling.batch import ScheduleBatch
 from mpprefill.scheduling.metrics import SchedulerMetrics
 from mpprefill.scheduling.processing import ResultProcessing
@@ -55,6 +55,7 @@ class Scheduler(ResultProcessing):
         self.waiting: deque[Req] = deque()
         self.inflight_queue: list[Req] = []
         self.chunked_req: Req | None = None
+        self.pending_prefix_keys: dict[tuple, int] = {}  # first uncached pages in flight
         self.live: dict[str, Req] = {}
         self.batch_seq = 0
         self.forwards_in_flight = 0
@@ -155,11 +156,11 @@ class Scheduler(ResultProcessing):
             None if self.args.chunked_prefill_size == -1 else self.args.chunked_prefill_size,
             self.args.max_running_requests,
             self.req_pool.available_size(),
+            self.pending_prefix_keys,
         )
         if chunked is not None:
             adder.add_chunked_req(chunked)
-        while self.waiting and adder.add_one_req(self.waiting[0]):
-            self.waiting.popleft()
+        self._admit_waiting(adder)
         if chunked is not None and chunked not in adder.can_run:
             adder.new_chunked_req = chunked  # no room this time; it stays first in line
         self.chunked_req = adder.new_chunked_req
@@ -168,6 +169,18 @@ class Scheduler(ResultProcessing):
         if batch is not None:
             self.step("A", batch.seq)
         return batch
+
+    def _admit_waiting(self, adder: PrefillAdder) -> None:
+        kept: deque[Req] = deque()
+        while self.waiting:
+            req = self.waiting.popleft()
+            verdict = adder.add_one_req(req)
+            if verdict == AddResult.FULL:
+                self.waiting.appendleft(req)
+                break
+            if verdict == AddResult.DEFER:
+                kept.append(req)
+        self.waiting.extendleft(reversed(kept))
 
     def _build_batch(self, reqs: list[Req]) -> ScheduleBatch:
         prefix_lens = [r.prefix_len for r in reqs]

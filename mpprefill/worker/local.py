@@ -32,24 +32,24 @@ class _LocalWorker(Worker):
 
 
 class InlineWorker(_LocalWorker):
-    """run_batch on the scheduler thread; submit does the whole forward."""
+    """run_batch on the scheduler thread: the forward runs inside collect()."""
 
     kind = "inline"
 
     def __init__(self, runner: ForwardRunner):
         super().__init__(runner)
-        self._result: ForwardResult | None = None
+        self._pending: tuple[ForwardSnapshot, bool] | None = None
 
     def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:
-        if self._result is not None:
+        if self._pending is not None:
             raise RuntimeError("submit before the previous forward was collected")
-        self._result = self._run(snap, early_send_prefix)
+        self._pending = (snap, early_send_prefix)
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
-        if self._result is None:
+        if self._pending is None:
             raise RuntimeError("collect with nothing submitted")
-        result, self._result = self._result, None
-        return result
+        pending, self._pending = self._pending, None
+        return self._run(*pending)
 
 
 class ThreadWorker(_LocalWorker):
