@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_commands() -> None:
     import importlib
 
-    for mod in ("mpprefill.commands",):
+    for mod in ("mpprefill.commands", "mpprefill.bench.cli"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -1,0 +1,106 @@
+"""`mpprefill bench` and `mpprefill profile`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+from mpprefill.cli import command
+from mpprefill.config import FORWARD_MODES, ServerArgs
+
+logger = logging.getLogger(__name__)
+_NOT_BENCH_FLAGS = (
+    "host",
+    "port",
+    "forward_mode",
+    "decode_address",
+    "trace_dir",
+    "record_batches",
+    "check_invariants",
+    "disable_overlap_schedule",
+)
+BENCH_DEFAULTS = dict(
+    disaggregation_transfer_backend="shm",
+    max_total_tokens=65536,
+    worker_threads=max(1, (os.cpu_count() or 2) - 1),
+)
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument(
+        "--hit-rate",
+        type=float,
+        default=0.8,
+        help="target fraction of prompt tokens served from the prefix cache",
+    )
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s, Poisson arrivals (inf: all at once)",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace-dir", default=None, help="write Chrome traces per mode here")
+    ap.add_argument(
+        "--verify",
+        action="store_true",
+        help="the decode receiver recomputes and checks every request's KV",
+    )
+    ServerArgs.add_cli_args(ap, skip=_NOT_BENCH_FLAGS)
+    ap.set_defaults(**BENCH_DEFAULTS)
+
+
+def _bench_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--modes", default=",".join(FORWARD_MODES), help="comma-separated forward modes"
+    )
+    ap.add_argument("--json", default=None, help="write the result JSON here")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also run other model sizes and batch shapes (t_sched/t_fwd sweep)",
+    )
+    ap.add_argument(
+        "--bound-mode",
+        default="proc-ahead",
+        help="the mode whose batches are replayed for the forward bound",
+    )
+    add_workload_args(ap)
+
+
+@command("bench", "uncached ITPS of the forward modes on one workload", _bench_args)
+def bench(args: argparse.Namespace) -> int:
+    from mpprefill.bench.suite import run_bench, run_sweep
+
+    try:
+        result = run_sweep(args) if args.sweep else run_bench(args)
+    except ValueError as e:
+        raise SystemExit(f"mpprefill bench: {e}") from None
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        logger.info("wrote %s", args.json)
+    return 0
+
+
+def _profile_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--forward-mode", default="proc-ahead", help="a mode, a comma-separated list, or 'all'"
+    )
+    ap.add_argument("--out-dir", default="profile", help="traces, summary and timeline PNG")
+    ap.add_argument(
+        "--iterations", type=int, default=4, help="steady-state iterations shown in the timeline"
+    )
+    add_workload_args(ap)
+    ap.set_defaults(num_requests=96)
+
+
+@command("profile", "trace one or more modes: overlap summary and a timeline PNG", _profile_args)
+def profile(args: argparse.Namespace) -> int:
+    from mpprefill.bench.profile import run_profile
+
+    return run_profile(args)

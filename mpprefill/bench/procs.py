@@ -1,0 +1,117 @@
+"""Start and stop the server and decode receiver processes of one bench run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+import ipc
+from mpprefill.client import Client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    port: int
+    log_path: str
+    extra: dict = field(default_factory=dict)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait(10)
+
+    def shm_left(self) -> list[str]:
+        """Segments of this process still in /dev/shm (its own and its children's)."""
+        return ipc.list_segments(f"mpp_{self.proc.pid}_") + ipc.list_segments(
+            f"mppdec_{self.proc.pid}_"
+        )
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _spawn(name: str, args: list[str], log_dir: str, env: dict | None) -> tuple:
+    port = free_port()
+    log_path = os.path.join(log_dir, f"{name}-{port}.log")
+    log = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed with it
+    cmd = [sys.executable, "-m", "mpprefill", *args, "--port", str(port)]
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
+    log.close()
+    return proc, port, log_path
+
+
+def start_server(
+    flags: list[str], log_dir: str, env: dict | None = None, timeout: float = 120.0
+) -> Child:
+    proc, port, log_path = _spawn("serve", ["serve", *flags], log_dir, env)
+    child = Child("serve", proc, port, log_path)
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        _wait_ready(child, lambda: client.stats(timeout=1.0), timeout)
+    finally:
+        client.close()
+    return child
+
+
+def start_decode(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
+    proc, port, log_path = _spawn("decode", ["decode", *flags], log_dir, None)
+    child = Child("decode", proc, port, log_path)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def ping():
+        sock.send(json.dumps({"type": "ping"}).encode())
+        if not sock.poll(1000):
+            raise TimeoutError
+        sock.recv()
+
+    try:
+        _wait_ready(child, ping, timeout)
+    finally:
+        sock.close(linger=0)
+    return child
+
+
+def _wait_ready(child: Child, probe, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if child.proc.poll() is not None:
+            raise RuntimeError(
+                f"{child.name} exited with {child.proc.returncode}:\n{child.log_tail()}"
+            )
+        try:
+            probe()
+            return
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                child.stop()
+                raise RuntimeError(
+                    f"{child.name} not ready after {timeout}s:\n{child.log_tail()}"
+                ) from None

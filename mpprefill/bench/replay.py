@@ -1,0 +1,57 @@
+"""The forward bound: replay a run's batches in one worker, back to back, nothing between."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from mpprefill.config import ServerArgs
+from mpprefill.model import ForwardBatch
+from mpprefill.sampling import SamplingBatchInfo, SamplingParams
+from mpprefill.worker.factory import build_runner, set_torch_threads
+
+
+def load_shapes(path: str) -> list[tuple[list[int], list[int]]]:
+    with open(path) as f:
+        return [(list(p), list(e)) for p, e in json.load(f)]
+
+
+def forward_bound(
+    shapes: list[tuple[list[int], list[int]]], args: ServerArgs, warmup: int = 2, seed: int = 0
+) -> dict:
+    """ITPS of the recorded batches with no scheduler in between (same model and threads)."""
+    if not shapes:
+        raise ValueError("no batches to replay")
+    set_torch_threads(args.worker_threads)
+    runner = build_runner(args)
+    g = torch.Generator().manual_seed(seed)
+    vocab = runner.vocab_size
+    batches = [_batch(p, e, runner.kv.num_slots, vocab, g) for p, e in shapes]  # built untimed
+    for fb, sampling in batches[:warmup]:
+        runner.forward(fb, sampling)
+    t0 = time.perf_counter()
+    for fb, sampling in batches:
+        runner.forward(fb, sampling)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(sum(e) for _, e in shapes)
+    return {
+        "itps": tokens / elapsed,
+        "forward_s": elapsed,
+        "num_batches": len(shapes),
+        "tokens": tokens,
+    }
+
+
+def _batch(prefix_lens, extend_lens, num_slots, vocab, g) -> tuple:
+    """Random tokens; each request's KV in one contiguous run of slots, as pages mostly are."""
+    ids, slots, base = [], [], 0
+    for p, e in zip(prefix_lens, extend_lens):
+        ids.append(torch.randint(1, vocab, (e,), generator=g).tolist())
+        base = 0 if base + p + e > num_slots else base
+        slots.append(list(range(base, base + p + e)))
+        base += p + e
+    fb = ForwardBatch.build(ids, prefix_lens, slots)
+    info = SamplingBatchInfo.from_params([SamplingParams()] * len(ids), vocab)
+    return fb, info

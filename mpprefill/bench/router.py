@@ -1,0 +1,133 @@
+"""The bench's router: sends each request to decode and prefill with one bootstrap room."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from mpprefill.bench.workload import RequestSpec
+
+
+@dataclass(slots=True)
+class ReqResult:
+    rid: str
+    prompt_tokens: int
+    t_send: float
+    status: str = "pending"
+    cached_tokens: int = 0
+    first_token: int | None = None
+    error: str | None = None
+    t_prefill: float | None = None  # prefill replied done (KV transfer succeeded)
+    t_decode: float | None = None  # decode has every page and the first token
+    verified: bool | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "error" or (self.t_prefill is not None and self.t_decode is not None)
+
+    @property
+    def ttft_s(self) -> float | None:
+        end = self.t_decode if self.t_decode is not None else self.t_prefill
+        return None if end is None else end - self.t_send
+
+
+class Router:
+    """Open-loop sender: requests go out at their arrival times, replies are collected."""
+
+    def __init__(self, prefill_port: int, decode_port: int | None):
+        self.ctx = zmq.Context.instance()
+        self.prefill = self._dealer(prefill_port)
+        self.decode = self._dealer(decode_port) if decode_port is not None else None
+        self.poller = zmq.Poller()
+        for s in (self.prefill, self.decode):
+            if s is not None:
+                self.poller.register(s, zmq.POLLIN)
+
+    def _dealer(self, port: int) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        return s
+
+    def run(
+        self, specs: list[RequestSpec], room_base: int, timeout: float, on_complete=None
+    ) -> list[ReqResult]:
+        results = {s.rid: ReqResult(s.rid, len(s.input_ids), 0.0) for s in specs}
+        rooms = {s.rid: room_base + i for i, s in enumerate(specs)}
+        pending, done, t0 = list(specs), 0, time.monotonic()
+        deadline = t0 + timeout
+        while done < len(specs):
+            now = time.monotonic()
+            while pending and t0 + pending[0].arrival_s <= now:
+                spec = pending.pop(0)
+                self._send(spec, rooms[spec.rid], results)
+            if now > deadline:
+                raise TimeoutError(f"{len(specs) - done} requests unanswered after {timeout}s")
+            wait = 50 if not pending else max(0, int((t0 + pending[0].arrival_s - now) * 1000))
+            for sock, _ in self.poller.poll(min(wait, 50)):
+                done += self._receive(sock, results, on_complete)
+        return [results[s.rid] for s in specs]
+
+    def _send(self, spec: RequestSpec, room: int, results: dict) -> None:
+        results[spec.rid].t_send = time.monotonic()
+        if self.decode is not None:
+            self.decode.send(
+                json.dumps(
+                    {
+                        "type": "register",
+                        "rid": spec.rid,
+                        "bootstrap_room": room,
+                        "input_ids": spec.input_ids,
+                    }
+                ).encode()
+            )
+        self.prefill.send(
+            json.dumps(
+                {
+                    "type": "generate",
+                    "rid": spec.rid,
+                    "input_ids": spec.input_ids,
+                    "bootstrap_room": room,
+                    "sampling_params": {"temperature": 0.0},
+                }
+            ).encode()
+        )
+
+    def _receive(self, sock, results: dict, on_complete) -> int:
+        finished = 0
+        while True:
+            try:
+                reply = json.loads(sock.recv(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                return finished
+            r = results.get(reply.get("rid"))
+            if r is None or r.complete:
+                continue
+            self._apply(r, reply, from_decode=sock is self.decode)
+            if r.complete:
+                finished += 1
+                if on_complete is not None:
+                    on_complete(r)
+
+    def _apply(self, r: ReqResult, reply: dict, from_decode: bool) -> None:
+        now = time.monotonic()
+        if reply.get("status") != "done":
+            r.status, r.error = "error", reply.get("error", "unknown error")
+            return
+        if from_decode:
+            r.t_decode, r.verified = now, reply.get("verified")
+        else:
+            r.t_prefill, r.cached_tokens = now, reply.get("cached_tokens", 0)
+            r.first_token = reply.get("first_token")
+            if self.decode is None:
+                r.t_decode = now
+        if r.complete:
+            r.status = "done"
+
+    def close(self) -> None:
+        for s in (self.prefill, self.decode):
+            if s is not None:
+                s.close(linger=0)

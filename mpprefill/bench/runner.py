@@ -1,0 +1,189 @@
+"""One bench run per forward mode: fresh processes, warm-up, run, drain, checks, shutdown."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+from mpprefill.bench import stats
+from mpprefill.bench.procs import Child, start_decode, start_server
+from mpprefill.bench.progress import Progress
+from mpprefill.bench.router import ReqResult, Router
+from mpprefill.bench.workload import Workload, random_prompts
+from mpprefill.client import Client
+from mpprefill.config import ServerArgs
+
+SCHED_PHASES = ("A", "P", "S", "snapshot", "submit", "early-send", "inflight")
+
+
+@dataclass
+class BenchConfig:
+    server: ServerArgs
+    modes: list[str]
+    warmup_requests: int = 8
+    timeout_s: float = 600.0
+    log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="mpp-bench-"))
+    trace_dir: str | None = None
+    verify: bool = False
+
+    def server_flags(self, mode: str, record: str | None) -> list[str]:
+        a = self.server
+        flags = [
+            "--forward-mode",
+            mode,
+            "--page-size",
+            a.page_size,
+            "--chunked-prefill-size",
+            a.chunked_prefill_size,
+            "--max-running-requests",
+            a.max_running_requests,
+            "--max-total-tokens",
+            a.max_total_tokens,
+            "--max-prefill-tokens",
+            a.max_prefill_tokens,
+            "--disaggregation-transfer-backend",
+            a.disaggregation_transfer_backend,
+            "--worker-threads",
+            a.worker_threads,
+            "--random-seed",
+            a.random_seed,
+            "--device",
+            a.device,
+            "--check-invariants",
+            "--log-level",
+            "warning",
+        ]
+        for name in ("model_path", "context_length"):
+            if getattr(a, name) is not None:
+                flags += ["--" + name.replace("_", "-"), getattr(a, name)]
+        if a.delay_sampling:
+            flags.append("--delay-sampling")
+        if record:
+            flags += ["--record-batches", record]
+        if self.trace_dir:
+            flags += ["--trace-dir", os.path.join(self.trace_dir, mode)]
+        return [str(f) for f in flags]
+
+    def decode_flags(self) -> list[str]:
+        a = self.server
+        flags = [
+            "--page-size",
+            a.page_size,
+            "--max-total-tokens",
+            a.max_total_tokens,
+            "--random-seed",
+            a.random_seed,
+            "--disaggregation-transfer-backend",
+            a.disaggregation_transfer_backend,
+            "--log-level",
+            "warning",
+        ]
+        if a.model_path:
+            flags += ["--model-path", a.model_path]
+        if self.verify:
+            flags.append("--verify")
+        return [str(f) for f in flags]
+
+
+def run_mode(cfg: BenchConfig, mode: str, work: Workload, record: str | None = None) -> dict:
+    """Fresh decode + server for `mode`; returns the CONTRACT run record."""
+    decode = None
+    flags = cfg.server_flags(mode, record)
+    if cfg.server.disaggregation_transfer_backend != "fake":
+        decode = start_decode(cfg.decode_flags(), cfg.log_dir)
+        flags += ["--decode-address", f"127.0.0.1:{decode.port}"]
+    children = [decode] if decode else []
+    try:
+        server = start_server(flags, cfg.log_dir)
+        children.insert(0, server)
+        run = _measure(cfg, mode, work, server, decode)
+    finally:
+        leaks = _shutdown(children)
+    leaks["invariants_ok"] = bool(run["invariants"].get("ok", False))
+    leaks["ok"] = leaks["ok"] and leaks["invariants_ok"]
+    run["leaks"] = leaks
+    return run
+
+
+def _measure(cfg: BenchConfig, mode: str, work: Workload, server: Child, decode: Child | None):
+    router = Router(server.port, decode.port if decode else None)
+    client = Client(f"127.0.0.1:{server.port}")
+    try:
+        warm = random_prompts(
+            cfg.warmup_requests, 64, seed=work.params.seed + 7919, page_size=work.params.page_size
+        )
+        router.run(warm.requests, room_base=1 << 40, timeout=cfg.timeout_s)
+        before = client.stats()
+        bar = Progress(len(work), desc=f"{mode:>12}")
+        results = router.run(
+            work.requests,
+            room_base=1 << 20,
+            timeout=cfg.timeout_s,
+            on_complete=lambda r: bar.update(1),
+        )
+        bar.close()
+        after = client.stats()
+    finally:
+        router.close()
+        client.close()
+    return summarize_run(mode, results, before, after)
+
+
+def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict) -> dict:
+    done = [r for r in results if r.status == "done"]
+    failed = [r for r in results if r.status != "done"]
+    t_start = min(r.t_send for r in results)
+    t_end = max((r.t_decode or r.t_prefill or t_start) for r in results)
+    duration = max(t_end - t_start, 1e-9)
+    prompt = sum(r.prompt_tokens for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    c0, c1 = before["counters"], after["counters"]
+    batches = c1["num_batches"] - c0["num_batches"]
+    fwd_s = c1["forward_s"] - c0["forward_s"]
+    sched_s = sum(c1["phase_s"].get(p, 0.0) - c0["phase_s"].get(p, 0.0) for p in SCHED_PHASES)
+    ttft = [r.ttft_s * 1e3 for r in done]
+    return {
+        "mode": mode,
+        "uncached_itps": (prompt - cached) / duration,
+        "total_itps": prompt / duration,
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "num_requests": len(results),
+        "num_finished": len(done),
+        "num_failed": len(failed),
+        "duration_s": duration,
+        "ttft_ms": {
+            "p50": stats.percentile(ttft, 50) if ttft else 0.0,
+            "p99": stats.percentile(ttft, 99) if ttft else 0.0,
+        },
+        "worker_busy_frac": fwd_s / duration,
+        "num_batches": batches,
+        "mailbox_bytes_per_batch": c1["mailbox_bytes_per_batch"],
+        "first_tokens_sha256": first_tokens_sha256(done),
+        "t_sched_ms": sched_s / max(batches, 1) * 1e3,
+        "t_fwd_ms": fwd_s / max(batches, 1) * 1e3,
+        "uncached_tokens": prompt - cached,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "invariants": after.get("invariants", {}),
+        "warmup_batches": c0["num_batches"],
+        "errors": sorted({r.error for r in failed if r.error})[:5],
+    }
+
+
+def first_tokens_sha256(done: list[ReqResult]) -> str:
+    h = hashlib.sha256()
+    for rid, tok in sorted((r.rid, r.first_token) for r in done):
+        h.update(f"{rid}:{tok}\n".encode())
+    return h.hexdigest()
+
+
+def _shutdown(children: list[Child]) -> dict:
+    codes = {c.name: c.stop() for c in children}
+    left = [s for c in children for s in c.shm_left()]
+    return {
+        "ok": not left and all(v == 0 for v in codes.values()),
+        "shm_segments": len(left),
+        "exit_codes": codes,
+    }

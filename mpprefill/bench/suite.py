@@ -1,0 +1,192 @@
+"""The whole bench: workload, one run per mode, the forward bound, the table and the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+from mpprefill.bench.replay import forward_bound, load_shapes
+from mpprefill.bench.runner import BenchConfig, run_mode
+from mpprefill.bench.workload import Workload, solve_for_hit_rate
+from mpprefill.config import FORWARD_MODES, ServerArgs
+
+logger = logging.getLogger(__name__)
+THREAD_MODES = ("thread", "thread-ahead")
+
+
+def server_args(args: argparse.Namespace, **overrides) -> ServerArgs:
+    return ServerArgs.from_cli(args, **overrides)
+
+
+def parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in FORWARD_MODES]
+    if bad or not modes:
+        raise ValueError(f"--modes: unknown {bad}; choose from {FORWARD_MODES}")
+    return modes
+
+
+def make_workload(args: argparse.Namespace, page_size: int) -> Workload:
+    return solve_for_hit_rate(
+        args.hit_rate,
+        args.num_requests,
+        args.prompt_len,
+        page_size,
+        request_rate=args.request_rate,
+        seed=args.seed,
+    )
+
+
+def run_bench(
+    args: argparse.Namespace, label: str = "default", server: ServerArgs | None = None
+) -> dict:
+    server = server or server_args(args)
+    modes = parse_modes(args.modes)
+    work = make_workload(args, server.page_size)
+    cfg = BenchConfig(server, modes, trace_dir=args.trace_dir, verify=args.verify)
+    bound_mode = args.bound_mode if args.bound_mode in modes else modes[-1]
+    record = os.path.join(cfg.log_dir, "batches.json")
+    print(
+        f"[{label}] {len(work)} requests, {work.num_prompt_tokens} prompt tokens, hit rate "
+        f"target {args.hit_rate:.2f} (workload's own {work.expected_hit_rate:.3f}); "
+        f"logs in {cfg.log_dir}",
+        file=sys.stderr,
+    )
+    runs = [run_mode(cfg, m, work, record if m == bound_mode else None) for m in modes]
+    bound = _bound(record, runs[modes.index(bound_mode)], server)
+    result = {
+        "config": _config(args, server, work, label),
+        "forward_bound_itps": bound["itps"],
+        "forward_bound": bound,
+        "runs": runs,
+    }
+    print(format_table(result))
+    return result
+
+
+def _bound(record: str, run: dict, server: ServerArgs) -> dict:
+    shapes = load_shapes(record)[run["warmup_batches"] :]
+    return {**forward_bound(shapes, server), "replayed_mode": run["mode"]}
+
+
+def _config(args, server: ServerArgs, work: Workload, label: str) -> dict:
+    return {
+        "label": label,
+        "server": dataclasses.asdict(server),
+        "workload": work.to_dict() | {"target_hit_rate": args.hit_rate},
+        "num_requests": args.num_requests,
+        "prompt_len": args.prompt_len,
+        "request_rate": args.request_rate,
+        "seed": args.seed,
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def format_table(result: dict) -> str:
+    runs, bound = result["runs"], result["forward_bound_itps"]
+    threads = [r["uncached_itps"] for r in runs if r["mode"] in THREAD_MODES]
+    best_thread = max(threads) if threads else None
+    head = (
+        f"{'mode':>12} {'uncached ITPS':>13} {'x thread':>8} {'x bound':>7} {'hit':>5} "
+        f"{'TTFT p50/p99 ms':>16} {'busy':>5} {'batches':>7} {'t_sched':>8} "
+        f"{'t_fwd':>8} {'ratio':>6} {'leaks':>5}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        xt = f"{r['uncached_itps'] / best_thread:8.2f}" if best_thread else f"{'-':>8}"
+        lines.append(
+            f"{r['mode']:>12} {r['uncached_itps']:13,.0f} {xt} "
+            f"{r['uncached_itps'] / bound:7.2f} {r['cache_hit_rate']:5.2f} "
+            f"{r['ttft_ms']['p50']:7.0f}/{r['ttft_ms']['p99']:<8.0f} "
+            f"{r['worker_busy_frac']:5.2f} {r['num_batches']:7d} {r['t_sched_ms']:7.2f}m "
+            f"{r['t_fwd_ms']:7.1f}m {r['t_sched_ms'] / max(r['t_fwd_ms'], 1e-9):6.3f} "
+            f"{'ok' if r['leaks']['ok'] else 'LEAK':>5}"
+        )
+    lines.append(
+        f"forward bound ({result['forward_bound']['replayed_mode']} batches replayed "
+        f"back to back): {bound:,.0f} uncached tokens/s"
+    )
+    return "\n".join(lines)
+
+
+# ---- the t_sched / t_fwd sweep ------------------------------------------------------------
+
+SWEEP_POINTS = {
+    # label: (model dims or None for the built-in model, chunk size, prompt len)
+    "default": (None, None, None),
+    "small-model": (
+        dict(
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        256,
+        512,
+    ),
+    "micro-model": (
+        dict(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+        64,
+        256,
+    ),
+}
+
+
+def run_sweep(args: argparse.Namespace) -> dict:
+    from mpprefill.model import ModelConfig
+    from mpprefill.model.export import save_random_model
+
+    base = server_args(args)
+    out = {"sweep": []}
+    for label, (dims, chunk, prompt_len) in SWEEP_POINTS.items():
+        server, point = base, argparse.Namespace(**vars(args))
+        if dims is not None:
+            path = os.path.join(
+                os.path.dirname(base.record_batches or "/tmp/x"), f"mpp-model-{label}"
+            )
+            save_random_model(
+                dataclasses.replace(ModelConfig.tiny(), **dims), path, seed=base.random_seed
+            )
+            server = dataclasses.replace(
+                base, model_path=path, chunked_prefill_size=chunk, max_prefill_tokens=chunk * 4
+            )
+            point.prompt_len = prompt_len
+        out["sweep"].append(run_bench(point, label, server))
+    print(format_sweep(out["sweep"]))
+    return out
+
+
+def format_sweep(results: list[dict]) -> str:
+    lines = [
+        "",
+        "uncached ITPS of proc-ahead (pa) relative to other modes, per workload:",
+        f"{'workload':>12} {'t_sched/t_fwd':>13} {'pa/thread-ahead':>15} "
+        f"{'pa/proc':>8} {'pa/overlap':>10} {'pa/bound':>8}",
+    ]
+    for res in results:
+        by = {r["mode"]: r for r in res["runs"]}
+        pa = by.get("proc-ahead")
+        if pa is None:
+            continue
+        ratio = pa["t_sched_ms"] / max(pa["t_fwd_ms"], 1e-9)
+        rel = {m: _rel(pa, by.get(m)) for m in ("thread-ahead", "proc", "overlap")}
+        lines.append(
+            f"{res['config']['label']:>12} {ratio:13.3f} {rel['thread-ahead']:>15} "
+            f"{rel['proc']:>8} {rel['overlap']:>10} "
+            f"{pa['uncached_itps'] / res['forward_bound_itps']:8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _rel(run: dict, other: dict | None) -> str:
+    return f"{run['uncached_itps'] / other['uncached_itps']:.2f}" if other else "-"
