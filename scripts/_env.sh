@@ -17,10 +17,15 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
     echo "[setup] installing $TORCH_PIN (CPU build)" >&2
     pip_q "$TORCH_PIN"
 fi
-STAMP=".venv/.mpprefill-installed-${EXTRAS:-core}"
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+# One stamp per extra (and "core"); an install with extras also satisfies "core".
+need=""
+for e in core ${EXTRAS//,/ }; do
+    stamp=".venv/.installed-$e"
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then need="$need $e"; fi
+done
+if [ -n "$need" ]; then
     echo "[setup] installing mpprefill${EXTRAS:+[$EXTRAS]}" >&2
     pip_q -e ".${EXTRAS:+[$EXTRAS]}"
-    touch "$STAMP"
+    for e in core ${EXTRAS//,/ }; do touch ".venv/.installed-$e"; done
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

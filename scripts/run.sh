@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv (if needed) and run the main job.
+# Set up .venv (if needed) and run the main job: the forward-mode benchmark on the built-in
+# model. Extra flags go to `mpprefill bench` (see `mpprefill bench --help`).
 source "$(dirname "$0")/_env.sh"
-exec .venv/bin/python scripts/bench_ipc.py "$@"
+exec .venv/bin/mpprefill bench "$@"

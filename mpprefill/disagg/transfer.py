@@ -1,4 +1,4 @@
-"""Prefill-side KV transfer: per-request senders and the backend's one background thread.
+"""Prefill-side KV transfer: the backend's one background thread (senders: transfer_sender).
 
 The scheduler thread only enqueues (`create_sender`, `send`, `abort`) and reads sender
 states; the decode socket, bootstrap retries, page copies and acks live on the thread.
@@ -12,13 +12,13 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
 
 from mpprefill.disagg import protocol as P
-from mpprefill.disagg.sender import KVPoll, KVSender
+from mpprefill.disagg.sender import KVPoll
+from mpprefill.disagg.transfer_sender import TransferCmd, TransferSender, check_range
 from mpprefill.memory.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -26,107 +26,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_DECODE_ADDRESS = "127.0.0.1:30200"
 _RETRY_S = 0.05  # after a bootstrap reply "unknown": the router has not registered yet
 _RESEND_S = 1.0  # a bootstrap that got no reply at all is sent again
-
-
-@dataclass(slots=True)
-class _Cmd:
-    kind: str  # "start" | "send" | "abort"
-    sender: TransferSender
-    src: torch.Tensor | None = None
-    dst: torch.Tensor | None = None
-    last: bool = False
-    first_token: int | None = None
-
-
-class TransferSender(KVSender):
-    """Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed.
-
-    Either thread changes `state` under the lock; `poll` only reads it.
-    """
-
-    def __init__(self, backend: TransferBackend, rid: str, room: int | None) -> None:
-        self.rid, self.room, self.state = rid, room, KVPoll.Bootstrapping
-        self.num_pages: int | None = None
-        self.dst_pages: torch.Tensor | None = None  # the room's pages in the decode pool
-        self.target = None  # the decode pool those pages are in, as the backend opened it
-        self.decode_prefix_len = self._prefix_pages = 0
-        self.pages_sent = 0  # pages written so far (transfer thread)
-        self.deadline = self.next_try = 0.0  # bootstrap timing (transfer thread)
-        self._backend, self._error, self._lock = backend, None, threading.Lock()
-        self._queued, self._last_queued = 0, False
-
-    def poll(self) -> KVPoll:
-        return self.state
-
-    def init(self, num_pages: int, aux_index: int | None = None) -> None:
-        self.num_pages = num_pages
-        room = len(self.dst_pages) - self._prefix_pages if self.dst_pages is not None else 0
-        if num_pages > room:
-            self.abort(f"{num_pages} pages to send but the decode side has {room}")
-
-    def send(self, page_indices, last=False, first_token=None, state_indices=None) -> None:
-        if self.state == KVPoll.Failed:
-            return
-        if self.state == KVPoll.Bootstrapping or self.num_pages is None:
-            raise RuntimeError(f"room {self.room}: send before bootstrap and init")
-        src = torch.as_tensor(page_indices, dtype=torch.int64).flatten().cpu().clone()
-        self._check_send(len(src), last, first_token)
-        _check_range(src, self._backend.layout.num_pages, "source")
-        start = self._prefix_pages + self._queued
-        dst = self.dst_pages[start : start + len(src)]
-        self._queued, self._last_queued = self._queued + len(src), last
-        with self._lock:
-            if self.state == KVPoll.WaitingForInput:
-                self.state = KVPoll.Transferring
-        self._backend.enqueue(_Cmd("send", self, src, dst, last, first_token))
-
-    def _check_send(self, n: int, last: bool, first_token: int | None) -> None:
-        if self._last_queued:
-            raise RuntimeError(f"room {self.room}: send after the last send")
-        total = self._queued + n
-        if total > self.num_pages or (last and total != self.num_pages):
-            raise ValueError(f"room {self.room}: {total} pages sent of {self.num_pages}")
-        if last and first_token is None:
-            raise ValueError(f"room {self.room}: the last send carries the first token")
-
-    def abort(self, reason: str = "aborted") -> None:
-        if self.fail(reason):
-            self._backend.enqueue(_Cmd("abort", self))
-
-    def failure_reason(self) -> str:
-        return self._error or "transfer failed"
-
-    def pop_decode_prefix_len(self) -> int:
-        return self.decode_prefix_len
-
-    def should_send_kv_chunk(self, num_pages: int, last: bool) -> bool:
-        return num_pages > 0 or last
-
-    @property
-    def is_live(self) -> bool:
-        return self.state not in (KVPoll.Success, KVPoll.Failed)
-
-    # ---- transitions (either thread) ----------------------------------------------------
-
-    def ready(self, target, dst_pages: torch.Tensor, prefix_len: int, prefix_pages: int) -> None:
-        with self._lock:
-            if self.state == KVPoll.Bootstrapping:
-                self.target, self.dst_pages, self.decode_prefix_len = target, dst_pages, prefix_len
-                self._prefix_pages, self.state = prefix_pages, KVPoll.WaitingForInput
-
-    def succeed(self) -> None:
-        with self._lock:
-            if self.state == KVPoll.Transferring:
-                self.state = KVPoll.Success
-
-    def fail(self, reason: str) -> bool:
-        """Failed unless already finished; True when this call made it fail."""
-        with self._lock:
-            if not self.is_live:
-                return False
-            self._error, self.state = reason, KVPoll.Failed
-        logger.info("room %s (%s): transfer failed: %s", self.room, self.rid, reason)
-        return True
 
 
 class TransferBackend:
@@ -170,10 +69,10 @@ class TransferBackend:
         elif self._closed or not self._thread.is_alive():
             sender.fail("the transfer backend is closed")
         else:
-            self.enqueue(_Cmd("start", sender))
+            self.enqueue(TransferCmd("start", sender))
         return sender
 
-    def enqueue(self, cmd: _Cmd | None) -> None:
+    def enqueue(self, cmd: TransferCmd | None) -> None:
         self._cmds.put(cmd)
         with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
             os.write(self._wake_w, b"\0")
@@ -257,7 +156,7 @@ class TransferBackend:
         self._live[s.room] = s
         s.deadline, s.next_try = now + self.bootstrap_timeout, now
 
-    def _send_pages(self, cmd: _Cmd) -> None:
+    def _send_pages(self, cmd: TransferCmd) -> None:
         s = cmd.sender
         if self._live.get(s.room) is not s or not s.is_live:
             return
@@ -325,7 +224,7 @@ class TransferBackend:
         if why:
             raise ValueError(why)
         dst = torch.tensor(msg.dst_pages, dtype=torch.int64)
-        _check_range(dst, remote.num_pages, "destination")
+        check_range(dst, remote.num_pages, "destination")
         prefix = msg.decode_prefix_len
         if prefix % self.page_size or prefix > len(dst) * self.page_size:
             raise ValueError(f"bad decode_prefix_len {prefix}")
@@ -378,8 +277,3 @@ def _drain_pipe(fd: int) -> None:
     with contextlib.suppress(BlockingIOError):
         while os.read(fd, 4096):
             pass
-
-
-def _check_range(pages: torch.Tensor, num_pages: int, what: str) -> None:
-    if len(pages) and not 0 <= int(pages.min()) <= int(pages.max()) < num_pages:
-        raise ValueError(f"{what} page out of range [0, {num_pages})")

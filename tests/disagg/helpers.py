@@ -1,10 +1,8 @@
-"""Shared pieces of the disagg tests: a decode receiver subprocess, a router, a filled pool."""
+"""Helpers of the disagg tests: a decode receiver subprocess, a router, a filled pool."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -13,7 +11,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import pytest
 import torch
 import zmq
 
@@ -192,43 +189,3 @@ def bootstrap(sender, prompt: Prompt, timeout: float = 10.0) -> None:
     wait_state(sender, KVPoll.WaitingForInput, timeout)
     prefix = sender.pop_decode_prefix_len()
     sender.init(cdiv(len(prompt.ids) - prefix, PAGE))
-
-
-# ---- fixtures (test modules import the ones they use) --------------------------------------
-
-_rooms = itertools.count(1000)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    """(prefill KVCache, prompts): the real model's KV over PROMPT_LENS."""
-    return filled_pool()
-
-
-@pytest.fixture(scope="module")
-def decode():
-    """One verifying shm decode receiver per test module; it must leave no segment."""
-    d = DecodeProc("--verify").wait_ready()
-    yield d
-    left = d.close()
-    assert not left, f"decode left segments behind: {left}\n{d.output()}"
-
-
-@pytest.fixture
-def router(decode):
-    with Router(decode.address) as r:
-        yield r
-
-
-@pytest.fixture
-def room():
-    """Fresh bootstrap room numbers: room() -> int."""
-    return lambda: next(_rooms)
-
-
-@pytest.fixture
-def no_prefill_segments():
-    """The prefill side (this process) opens the decode's segment but never creates one."""
-    mine = f".{os.getpid()}."
-    yield
-    assert not [s for s in ipc.list_segments("") if mine in s]

@@ -7,7 +7,8 @@ import threading
 import pytest
 
 import ipc
-from mpprefill.disagg.decode import DecodeArgs, DecodeReceiver
+from mpprefill.disagg.decode import DecodeReceiver
+from mpprefill.disagg.decode_args import DecodeArgs
 from tests.disagg.helpers import PAGE, Router
 
 pytestmark = pytest.mark.timeout(30)

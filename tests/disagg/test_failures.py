@@ -11,17 +11,19 @@ import pytest
 import ipc
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.disagg.sender import KVPoll
-from tests.disagg import helpers as H
-from tests.disagg.helpers import PAGE, DecodeProc, FakeReq, Router, bootstrap, wait_state
+from tests.disagg.helpers import (
+    PAGE,
+    DecodeProc,
+    FakeReq,
+    Prompt,
+    Router,
+    bootstrap,
+    free_port,
+    send_chunks,
+    wait_state,
+)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_prefill_segments")]
-decode, no_prefill_segments, pool, room, router = (
-    H.decode,
-    H.no_prefill_segments,
-    H.pool,
-    H.room,
-    H.router,
-)
 DONE = (KVPoll.Success, KVPoll.Failed)
 
 
@@ -47,7 +49,7 @@ def test_prefill_abort_mid_transfer_frees_the_room(pool, backend, router, room):
     router.register("again", r, p.ids)  # the room is free again
     s2 = backend.create_sender(FakeReq("again", r, len(p.ids)))
     bootstrap(s2, p)
-    H.send_chunks(s2, p)
+    send_chunks(s2, p)
     assert wait_state(s2, DONE) == KVPoll.Success
     assert router.recv()["status"] == "done"
 
@@ -81,17 +83,17 @@ def test_full_pool_queues_registrations(pool, room):
             bootstrap(sa, p)
             time.sleep(0.3)
             assert sb.poll() == KVPoll.Bootstrapping  # "unknown" until pages free
-            H.send_chunks(sa, p)
+            send_chunks(sa, p)
             assert rt.recv()["rid"] == "a"
             bootstrap(sb, p)
-            H.send_chunks(sb, p)
+            send_chunks(sb, p)
             assert rt.recv() == {**rt_done("b", p)}
     finally:
         b.close()
         assert not d.close()
 
 
-def rt_done(rid: str, p: H.Prompt) -> dict:
+def rt_done(rid: str, p: Prompt) -> dict:
     return {
         "rid": rid,
         "status": "done",
@@ -170,7 +172,7 @@ def test_sigterm_shuts_down_cleanly():
 
 def test_backend_reattaches_to_a_restarted_decode(pool, room):
     kv, prompts = pool
-    p, port = prompts[3], H.free_port()
+    p, port = prompts[3], free_port()
     b = None
     try:
         for attempt in range(2):
@@ -181,7 +183,7 @@ def test_backend_reattaches_to_a_restarted_decode(pool, room):
                 rt.register(f"re{attempt}", r, p.ids)
                 s = b.create_sender(FakeReq(f"re{attempt}", r, len(p.ids)))
                 bootstrap(s, p)
-                H.send_chunks(s, p)
+                send_chunks(s, p)
                 assert wait_state(s, DONE) == KVPoll.Success, s.failure_reason()
                 assert rt.recv()["status"] == "done"
             assert not d.close()

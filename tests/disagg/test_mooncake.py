@@ -8,11 +8,17 @@ import torch
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.disagg.mooncake_backend import MooncakeUnavailable, start_engine
 from mpprefill.disagg.sender import KVPoll
-from tests.disagg import helpers as H
-from tests.disagg.helpers import PAGE, DecodeProc, FakeReq, Router, bootstrap, wait_state
+from tests.disagg.helpers import (
+    PAGE,
+    DecodeProc,
+    FakeReq,
+    Router,
+    bootstrap,
+    send_chunks,
+    wait_state,
+)
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_prefill_segments")]
-no_prefill_segments, pool = H.no_prefill_segments, H.pool
 
 
 def _mooncake_reason() -> str | None:
@@ -44,7 +50,7 @@ def test_happy_path_over_mooncake(pool, mooncake_decode):
                 senders.append(b.create_sender(FakeReq(f"mc{i}", 500 + i, len(p.ids))))
             for s, p in zip(senders, prompts):
                 bootstrap(s, p)
-                H.send_chunks(s, p, chunk_pages=2)
+                send_chunks(s, p, chunk_pages=2)
             for s in senders:
                 state = wait_state(s, (KVPoll.Success, KVPoll.Failed), timeout=20)
                 assert state == KVPoll.Success, s.failure_reason()

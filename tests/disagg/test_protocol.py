@@ -10,7 +10,7 @@ import torch
 
 from mpprefill.disagg import protocol as P
 from mpprefill.disagg.backends import make_decode_pool, make_transfer
-from mpprefill.disagg.decode import DecodeArgs, add_decode_args
+from mpprefill.disagg.decode_args import DecodeArgs, add_decode_args
 from mpprefill.disagg.sender import FakeTransfer
 
 LAYOUT = P.PoolLayout("float32", 4, 64, 2, 32, 16)

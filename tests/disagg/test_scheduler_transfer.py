@@ -16,11 +16,9 @@ from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.worker.factory import make_worker
-from tests.disagg import helpers as H
 from tests.disagg.helpers import PAGE
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_prefill_segments")]
-decode, no_prefill_segments, router = H.decode, H.no_prefill_segments, H.router
 
 
 def workload(seed: int, n: int = 8) -> list[list[int]]:

@@ -10,16 +10,7 @@ import torch
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.disagg.shm_backend import plane_view
-from tests.disagg import helpers as H
 from tests.disagg.helpers import PAGE, FakeReq, bootstrap, send_chunks, wait_state
-
-decode, no_prefill_segments, pool, room, router = (
-    H.decode,
-    H.no_prefill_segments,
-    H.pool,
-    H.room,
-    H.router,
-)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_prefill_segments")]
 
