@@ -13,6 +13,7 @@ matching whole cached pages but leaving at least one token to compute (as admiss
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -268,7 +269,9 @@ def solve_for_hit_rate(
         raise ValueError("need num_requests >= 1 and prompt_len >= 2")
     kw = dict(vocab_size=vocab_size, page_size=page_size, request_rate=request_rate, seed=seed)
     if target == 0:
-        return random_prompts(num_requests, prompt_len, **kw)
+        work = random_prompts(num_requests, prompt_len, **kw)
+        work.params = dataclasses.replace(work.params, target_hit_rate=0.0)
+        return work
     g, s, q = _plan(target, num_requests, prompt_len, page_size, tolerance / 2)
     sizes = _group_sizes(num_requests, g)
     shape = dict(num_groups=g, prompts_per_group=max(sizes), system_prompt_len=s, question_len=q)
