@@ -16,6 +16,7 @@ from mpprefill.config import ServerArgs
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
+from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker.base import WorkerDied
 from mpprefill.worker.factory import make_worker
 
@@ -26,6 +27,8 @@ MAX_FRAMES_PER_POLL = 256
 class PrefillServer:
     def __init__(self, args: ServerArgs):
         self.args, self.mode = args, args.resolved_forward_mode
+        if args.trace_dir:
+            set_tracer(Tracer("scheduler", enabled=True))
         self.worker, model_config = make_worker(args, self.mode)
         self.transfer = _make_transfer(args, self.worker.kv_cache)
         self.scheduler = Scheduler(
@@ -181,6 +184,8 @@ class PrefillServer:
 
     def close(self) -> None:
         t0 = time.monotonic()
+        if self.args.trace_dir:
+            get_tracer().dump(_trace_dir(self.args.trace_dir))
         if self.args.record_batches:
             with open(self.args.record_batches, "w") as f:
                 json.dump(self.scheduler.metrics.batch_shapes, f)
@@ -201,6 +206,11 @@ def _make_transfer(args: ServerArgs, kv):
         args.decode_address,
         bootstrap_timeout=args.bootstrap_timeout,
     )
+
+
+def _trace_dir(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def run_serve(args: ServerArgs) -> int:

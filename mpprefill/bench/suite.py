@@ -18,7 +18,8 @@ THREAD_MODES = ("thread", "thread-ahead")
 
 
 def server_args(args: argparse.Namespace, **overrides) -> ServerArgs:
-    return ServerArgs.from_cli(args, **overrides)
+    """The serve flags of a bench/profile command line (the mode comes per run)."""
+    return ServerArgs.from_cli(args, **{"forward_mode": None, "trace_dir": None, **overrides})
 
 
 def parse_modes(text: str) -> list[str]:

@@ -20,6 +20,7 @@ from mpprefill.disagg import protocol as P
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.disagg.transfer_sender import TransferCmd, TransferSender, check_range
 from mpprefill.memory.kv_cache import KVCache
+from mpprefill.trace.tracer import clock_ns, get_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,11 @@ class TransferBackend:
             return
         try:
             if len(cmd.src):
+                t0 = clock_ns()
                 self._write(s.target, cmd.src, cmd.dst)
+                tracer = get_tracer()
+                if tracer.enabled:
+                    tracer.record("transfer", t0, clock_ns() - t0)
         except Exception as e:
             logger.warning("room %s: writing %d pages failed: %s", s.room, len(cmd.src), e)
             self._fail(s, f"page write failed: {e}")

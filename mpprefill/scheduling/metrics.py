@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from mpprefill.trace.tracer import clock_ns, get_tracer
+
+TRACE_NAMES = {"collect": "collect-wait"}
+
 
 @dataclass
 class SchedulerMetrics:
@@ -20,9 +24,14 @@ class SchedulerMetrics:
     cached_tokens: int = 0
     batch_shapes: list[tuple[list[int], list[int]]] | None = None  # (prefix, extend) lens
 
-    def add_phase(self, name: str, seconds: float) -> None:
-        self.phase_s[name] += seconds
+    def add_phase(self, name: str, start_ns: int, seq: int = -1) -> None:
+        """Close a phase that began at `start_ns` (trace clock); traced when tracing is on."""
+        dur = clock_ns() - start_ns
+        self.phase_s[name] += dur / 1e9
         self.phase_n[name] += 1
+        tracer = get_tracer()
+        if tracer.enabled:
+            tracer.record(TRACE_NAMES.get(name, name), start_ns, dur, seq)
 
     def on_forward(self, snap, result) -> None:
         if self.batch_shapes is not None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.scheduling.req import Req, ReqStatus
+from mpprefill.trace.tracer import clock_ns
 
 if TYPE_CHECKING:
     from mpprefill.scheduling.batch import ScheduleBatch
@@ -20,7 +21,7 @@ class ResultProcessing:
     """Mixed into Scheduler; every method runs on the scheduler thread."""
 
     def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
-        t0 = time.perf_counter()
+        t0 = clock_ns()
         tokens = result.next_token_ids.tolist()
         for i, req in enumerate(batch.reqs):
             self._release_prefix_key(req)
@@ -42,7 +43,7 @@ class ResultProcessing:
             self.inflight_queue.append(req)
             self.send_kv_chunk(req, last=True)
         self.step("P", batch.seq)
-        self.metrics.add_phase("P", time.perf_counter() - t0)
+        self.metrics.add_phase("P", t0, batch.seq)
 
     def _release_prefix_key(self, req: Req) -> None:
         """Its first computed page is (or is about to be) in the tree: others may match it."""
@@ -77,13 +78,13 @@ class ResultProcessing:
         """
         cached_end = req.prefix_len
         if cached_end > req.start_send_idx:
-            t0 = time.perf_counter()
+            t0 = clock_ns()
             self.step("early_send", -1)
             self.send_kv_chunk(req, last=False, end_idx=cached_end)
-            self.metrics.add_phase("early-send", time.perf_counter() - t0)
+            self.metrics.add_phase("early-send", t0)
 
     def process_inflight_queue(self) -> None:
-        t0 = time.perf_counter()
+        t0 = clock_ns()
         keep = []
         for req in self.inflight_queue:
             state = req.sender.poll()
@@ -96,7 +97,7 @@ class ResultProcessing:
             else:
                 keep.append(req)
         self.inflight_queue = keep
-        self.metrics.add_phase("inflight", time.perf_counter() - t0)
+        self.metrics.add_phase("inflight", t0)
 
     def _release(self, req: Req) -> None:
         self.tree.cache_finished_req(req)

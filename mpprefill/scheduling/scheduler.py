@@ -25,6 +25,7 @@ from mpprefill.scheduling.batch import ScheduleBatch
 from mpprefill.scheduling.metrics import SchedulerMetrics
 from mpprefill.scheduling.processing import ResultProcessing
 from mpprefill.scheduling.req import Req, ReqStatus
+from mpprefill.trace.tracer import clock_ns, get_tracer
 from mpprefill.worker.base import ForwardResult, ForwardSnapshot, Worker
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class Scheduler(ResultProcessing):
         self.bootstrap_queue = keep
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        t0 = time.perf_counter()
+        t0 = clock_ns()
         chunked = self.chunked_req
         if chunked is not None and chunked.finished:  # aborted; released when it returns
             chunked = self.chunked_req = None
@@ -165,7 +166,10 @@ class Scheduler(ResultProcessing):
             adder.new_chunked_req = chunked  # no room this time; it stays first in line
         self.chunked_req = adder.new_chunked_req
         batch = self._build_batch(adder.can_run) if adder.can_run else None
-        self.metrics.add_phase("A", time.perf_counter() - t0)
+        tracer = get_tracer()
+        if tracer.enabled:
+            tracer.instant("queue", waiting=len(self.waiting) + len(self.bootstrap_queue))
+        self.metrics.add_phase("A", t0, batch.seq if batch is not None else -1)
         if batch is not None:
             self.step("A", batch.seq)
         return batch
@@ -241,27 +245,27 @@ class Scheduler(ResultProcessing):
     # ---- forward hand-off ----------------------------------------------------------------
 
     def snapshot_for_forward(self, batch: ScheduleBatch) -> ForwardSnapshot:
-        t0 = time.perf_counter()
+        t0 = clock_ns()
         snap = ForwardSnapshot.take(batch)
-        self.metrics.add_phase("snapshot", time.perf_counter() - t0)
+        self.metrics.add_phase("snapshot", t0, snap.seq)
         return snap
 
     def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:
-        t0 = time.perf_counter()
+        t0 = clock_ns()
         self.step("submit", snap.seq)
         self.worker.submit(snap, early_send_prefix)
         self.forwards_in_flight += 1
-        self.metrics.add_phase("submit", time.perf_counter() - t0)
+        self.metrics.add_phase("submit", t0, snap.seq)
 
     def collect(self, snap: ForwardSnapshot) -> ForwardResult:
-        t0 = time.perf_counter()
+        t0 = clock_ns()
         mailbox_before = self._mailbox_mark
         result = self.worker.collect()
         self._mailbox_mark = getattr(self.worker, "mailbox_bytes", 0)
         self.metrics.mailbox_bytes.append(self._mailbox_mark - mailbox_before)
         self.forwards_in_flight -= 1
         self.step("collect", snap.seq)
-        self.metrics.add_phase("collect", time.perf_counter() - t0)
+        self.metrics.add_phase("collect", t0, snap.seq)
         self.metrics.on_forward(snap, result)
         return result
 
@@ -286,10 +290,10 @@ class Scheduler(ResultProcessing):
     def sample_if_needed(self, snap: ForwardSnapshot, result: ForwardResult) -> ForwardResult:
         if result.next_token_ids is not None:
             return result
-        t0 = time.perf_counter()
+        t0 = clock_ns()
         tokens = self.worker.sample(result, snap)
         self.step("S", snap.seq)
-        self.metrics.add_phase("S", time.perf_counter() - t0)
+        self.metrics.add_phase("S", t0, snap.seq)
         return result._replace(next_token_ids=tokens)
 
 

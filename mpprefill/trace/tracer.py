@@ -115,6 +115,10 @@ class Tracer:
         name, seq, args, tid, t0 = token
         self.async_records.append((name, tid, t0, clock_ns() - t0, seq, args))
 
+    def record(self, name: str, start_ns: int, dur_ns: int, seq: int = -1) -> None:
+        """A span measured by the caller on `clock_ns` (callers check `enabled` first)."""
+        self.records.append((name, self._tid(), start_ns, dur_ns, seq, None))
+
     def instant(self, name: str, **args) -> None:
         self.records.append((name, self._tid(), clock_ns(), INSTANT, -1, args or None))
 

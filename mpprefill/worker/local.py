@@ -23,7 +23,7 @@ class _LocalWorker(Worker):
     def _run(self, snap: ForwardSnapshot, early_send_prefix: bool) -> ForwardResult:
         if early_send_prefix and self.early_send_hook is not None:
             self.early_send_hook(snap)
-        out = self.runner.forward(snap.forward, snap.sampling, snap.delay_sample)
+        out = self.runner.forward(snap.forward, snap.sampling, snap.delay_sample, snap.seq)
         return ForwardResult(snap.seq, out.next_token_ids, out.logits, out.forward_s)
 
     def sample(self, result: ForwardResult, snap: ForwardSnapshot) -> torch.Tensor:

@@ -15,6 +15,7 @@ import ipc
 from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig, load_model
+from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker.factory import set_torch_threads
 from mpprefill.worker.messages import Done, Exit, Failed, Ready, Sample, Submit
 from mpprefill.worker.runner import ForwardRunner
@@ -44,6 +45,8 @@ def worker_main(
     ipc.install_signal_cleanup()
     args = ServerArgs(**args_dict)
     set_torch_threads(args.worker_threads)
+    if args.trace_dir:
+        set_tracer(Tracer("worker", enabled=True))
     ch = ipc.Channel(endpoint, bind=False, peer_pid=parent)
     code = 0
     try:
@@ -60,6 +63,9 @@ def worker_main(
         _report(ch, f"{type(e).__name__}: {e}")
         code = 1
     finally:
+        if args.trace_dir:
+            os.makedirs(args.trace_dir, exist_ok=True)
+            get_tracer().dump(args.trace_dir)
         ipc.unlink_owned()
         ch.close(linger_s=1.0)
     sys.exit(code)
@@ -117,7 +123,7 @@ def _serve(ch: ipc.Channel, runner: ForwardRunner, result: dict, events) -> None
 def _forward(ch, runner: ForwardRunner, result: dict, events, msg: Submit):
     slot = ipc.open_bundle(msg.staging)
     fb, sampling = read_slot(slot, msg.num_tokens, msg.num_reqs, msg.num_kv, runner.kv.device)
-    out = runner.forward(fb, sampling, msg.delay_sample)
+    out = runner.forward(fb, sampling, msg.delay_sample, msg.seq)
     b = msg.num_reqs
     if out.next_token_ids is not None:
         result["tokens"][:b].copy_(out.next_token_ids)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
 
 import torch
@@ -10,6 +9,7 @@ import torch
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, LlamaForCausalLM
 from mpprefill.sampling import SamplingBatchInfo, sample
+from mpprefill.trace.tracer import clock_ns, get_tracer
 
 
 class RunOutput(NamedTuple):
@@ -28,13 +28,21 @@ class ForwardRunner:
 
     @torch.inference_mode()
     def forward(
-        self, fb: ForwardBatch, sampling: SamplingBatchInfo, delay_sample: bool = False
+        self,
+        fb: ForwardBatch,
+        sampling: SamplingBatchInfo,
+        delay_sample: bool = False,
+        seq: int = -1,
     ) -> RunOutput:
-        t0 = time.perf_counter()
+        t0 = clock_ns()
         logits = self.model(fb, self.kv)
         tokens = None if delay_sample else sample(logits, sampling)
         self.num_forwards += 1
-        return RunOutput(tokens, logits, time.perf_counter() - t0)
+        dur = clock_ns() - t0
+        tracer = get_tracer()
+        if tracer.enabled:
+            tracer.record("F", t0, dur, seq)
+        return RunOutput(tokens, logits, dur / 1e9)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingBatchInfo) -> torch.Tensor:

@@ -80,9 +80,9 @@ def test_signal_answers_pending_and_exits_clean(server_factory, sig):
         "--max-running-requests",
         "1",
     )
-    rids = {f"p{i}" for i in range(40)}
-    for rid in sorted(rids):
-        srv.client.generate(rid, [7] * 400)
+    rids = {f"p{i}" for i in range(200)}
+    for i, rid in enumerate(sorted(rids)):  # distinct prompts: no cache hits to speed it up
+        srv.client.generate(rid, [(i * 7 + j) % 4000 + 1 for j in range(400)])
     time.sleep(0.5)
     t0 = time.monotonic()
     srv.proc.send_signal(sig)
