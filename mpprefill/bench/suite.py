@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import sys
+import tempfile
 
 from mpprefill.bench.replay import forward_bound, load_shapes
 from mpprefill.bench.runner import BenchConfig, run_mode
@@ -42,7 +43,7 @@ def make_workload(args: argparse.Namespace, page_size: int) -> Workload:
 
 
 def run_bench(
-    args: argparse.Namespace, label: str = "default", server: ServerArgs | None = None
+    args: argparse.Namespace, server: ServerArgs | None = None, label: str = "default"
 ) -> dict:
     server = server or server_args(args)
     modes = parse_modes(args.modes)
@@ -115,10 +116,20 @@ def format_table(result: dict) -> str:
 
 # ---- the t_sched / t_fwd sweep ------------------------------------------------------------
 
+
+@dataclasses.dataclass(frozen=True)
+class SweepPoint:
+    """A workload of the t_sched/t_fwd sweep: a model size and a batch shape."""
+
+    model_dims: dict | None  # None: the built-in model
+    chunk: int | None = None  # chunked prefill size; max prefill tokens is 4x
+    prompt_len: int | None = None
+    request_scale: int = 1  # smaller forwards need more requests for a run of some seconds
+
+
 SWEEP_POINTS = {
-    # label: (model dims or None for the built-in model, chunk size, prompt len)
-    "default": (None, None, None),
-    "small-model": (
+    "default": SweepPoint(None),
+    "small-model": SweepPoint(
         dict(
             hidden_size=128,
             intermediate_size=352,
@@ -128,8 +139,9 @@ SWEEP_POINTS = {
         ),
         256,
         512,
+        4,
     ),
-    "micro-model": (
+    "micro-model": SweepPoint(
         dict(
             hidden_size=64,
             intermediate_size=176,
@@ -139,32 +151,40 @@ SWEEP_POINTS = {
         ),
         64,
         256,
+        8,
     ),
 }
 
 
 def run_sweep(args: argparse.Namespace) -> dict:
+    base = server_args(args)
+    model_dir = tempfile.mkdtemp(prefix="mpp-sweep-models-")
+    results = [
+        run_bench(*_sweep_point(args, base, label, point, model_dir), label=label)
+        for label, point in SWEEP_POINTS.items()
+    ]
+    print(format_sweep(results))
+    return {"sweep": results}
+
+
+def _sweep_point(args, base: ServerArgs, label: str, point: SweepPoint, model_dir: str):
     from mpprefill.model import ModelConfig
     from mpprefill.model.export import save_random_model
 
-    base = server_args(args)
-    out = {"sweep": []}
-    for label, (dims, chunk, prompt_len) in SWEEP_POINTS.items():
-        server, point = base, argparse.Namespace(**vars(args))
-        if dims is not None:
-            path = os.path.join(
-                os.path.dirname(base.record_batches or "/tmp/x"), f"mpp-model-{label}"
-            )
-            save_random_model(
-                dataclasses.replace(ModelConfig.tiny(), **dims), path, seed=base.random_seed
-            )
-            server = dataclasses.replace(
-                base, model_path=path, chunked_prefill_size=chunk, max_prefill_tokens=chunk * 4
-            )
-            point.prompt_len = prompt_len
-        out["sweep"].append(run_bench(point, label, server))
-    print(format_sweep(out["sweep"]))
-    return out
+    ns = argparse.Namespace(**vars(args))
+    if point.model_dims is None:
+        return ns, base
+    path = save_random_model(
+        dataclasses.replace(ModelConfig.tiny(), **point.model_dims),
+        os.path.join(model_dir, label),
+        seed=base.random_seed,
+    )
+    ns.prompt_len = point.prompt_len
+    ns.num_requests = args.num_requests * point.request_scale
+    server = dataclasses.replace(
+        base, model_path=path, chunked_prefill_size=point.chunk, max_prefill_tokens=point.chunk * 4
+    )
+    return ns, server
 
 
 def format_sweep(results: list[dict]) -> str:

@@ -1,0 +1,66 @@
+"""`mpprefill bench` and `mpprefill profile` end to end, small."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mpprefill.trace import chrome
+
+pytestmark = pytest.mark.timeout(400)
+
+RUN_FIELDS = {"mode", "uncached_itps", "total_itps", "cache_hit_rate", "num_requests",
+              "num_finished", "num_failed", "duration_s", "ttft_ms", "worker_busy_frac",
+              "num_batches", "mailbox_bytes_per_batch", "first_tokens_sha256", "leaks"}
+
+
+def _mpprefill(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "mpprefill", *args], capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_bench_json_has_the_contract_fields_and_adds_up(tmp_path):
+    path = tmp_path / "bench.json"
+    out = _mpprefill("bench", "--modes", "normal,proc-ahead", "--num-requests", "12",
+                     "--prompt-len", "160", "--chunked-prefill-size", "64", "--json", str(path))
+    result = json.loads(path.read_text())
+    assert result["forward_bound_itps"] > 0
+    assert [r["mode"] for r in result["runs"]] == ["normal", "proc-ahead"]
+    for run in result["runs"]:
+        assert run.keys() >= RUN_FIELDS
+        assert set(run["ttft_ms"]) == {"p50", "p99"}
+        assert set(run["mailbox_bytes_per_batch"]) == {"mean", "max"}
+        assert run["num_finished"] + run["num_failed"] == run["num_requests"] == 12
+        assert run["num_failed"] == 0 and run["leaks"]["ok"]
+        assert run["uncached_tokens"] + run["cached_tokens"] == run["prompt_tokens"]
+        assert run["uncached_itps"] <= run["total_itps"]
+        assert 0 <= run["cache_hit_rate"] <= 1 and run["num_batches"] > 0
+    normal, proc = result["runs"]
+    assert normal["first_tokens_sha256"] == proc["first_tokens_sha256"]
+    assert normal["mailbox_bytes_per_batch"]["max"] == 0  # no process boundary
+    assert 0 < proc["mailbox_bytes_per_batch"]["max"] < 4096
+    assert "proc-ahead" in out.stdout and "forward bound" in out.stdout
+
+
+def test_profile_traces_both_processes_and_reports_overlap(tmp_path):
+    out_dir = tmp_path / "prof"
+    _mpprefill("profile", "--forward-mode", "normal,proc-ahead", "--num-requests", "24",
+               "--prompt-len", "384", "--out-dir", str(out_dir))
+    report = json.loads((out_dir / "summary.json").read_text())
+    assert report["normal"]["summary"]["overlap_frac"] == 0.0
+    assert report["proc-ahead"]["summary"]["overlap_frac"] > 0.0
+    events = chrome.load(out_dir / "proc-ahead.trace.json")
+    names_by_pid: dict[int, set] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            names_by_pid.setdefault(e["pid"], set()).add(e["name"])
+    assert len(names_by_pid) >= 2  # scheduler and forward process
+    assert any("F" in n for n in names_by_pid.values())
+    assert any({"A", "P", "collect-wait"} <= n for n in names_by_pid.values())
+    pytest.importorskip("matplotlib", reason="the timeline needs the plot extra")
+    assert (out_dir / "timeline.png").stat().st_size > 1000
