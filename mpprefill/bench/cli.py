@@ -65,6 +65,12 @@ def _bench_args(ap: argparse.ArgumentParser) -> None:
         help="also run other model sizes and batch shapes (t_sched/t_fwd sweep)",
     )
     ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per mode, interleaved across modes; the median run is reported",
+    )
+    ap.add_argument(
         "--bound-mode",
         default="proc-ahead",
         help="the mode whose batches are replayed for the forward bound",
