@@ -24,6 +24,9 @@ class ServerArgs:
         None, "where run_batch runs and how it overlaps", choices=FORWARD_MODES
     )
     disable_overlap_schedule: bool = _f(False, "use the normal loop (no overlap)")
+    disaggregation_mode: str = _f("prefill", "PD role of this server",
+                                  choices=("null", "prefill"))
+    pp_size: int = _f(1, "pipeline parallel size (only 1 is supported)")
     page_size: int = _f(16, "tokens per KV page")
     chunked_prefill_size: int = _f(512, "max new tokens of one request per batch (-1: off)")
     max_running_requests: int = _f(64, "max requests in one prefill batch")
@@ -68,7 +71,9 @@ class ServerArgs:
 
     @property
     def resolved_forward_mode(self) -> str:
-        return resolve_forward_mode(self.forward_mode, self.disable_overlap_schedule)
+        mode = resolve_forward_mode(self.forward_mode, self.disable_overlap_schedule)
+        check_dispatch(mode, self.disaggregation_mode, self.pp_size)
+        return mode
 
     @classmethod
     def add_cli_args(cls, ap: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -132,6 +137,15 @@ def resolve_forward_mode(
     if _truthy(env.get("SGLANG_ENABLE_PREFILL_FWD_THREAD")):
         return "thread-ahead" if _truthy(env.get("SGLANG_PREFILL_FWD_THREAD_AHEAD")) else "thread"
     return "proc-ahead"
+
+
+def check_dispatch(mode: str, role: str, pp_size: int) -> None:
+    """The off-thread loops exist for the prefill role, pipeline parallel 1, with overlap."""
+    if pp_size != 1:
+        raise ValueError(f"--pp-size {pp_size}: pipeline parallelism is not supported")
+    if mode not in ("normal", "overlap") and role != "prefill":
+        raise ValueError(f"--forward-mode {mode} runs only with --disaggregation-mode prefill "
+                         f"(got {role!r})")
 
 
 def _truthy(v: str | None) -> bool:

@@ -161,3 +161,33 @@ def test_early_send_on_scheduler_thread_once_per_page(mode):
     for req in finished:
         pages = req.sender.sent_pages
         assert len(pages) == len(set(pages)) == -(-req.prompt_len // 16)
+
+
+@pytest.mark.parametrize("env,flags,expected", [
+    ({}, {}, "proc-ahead"),
+    ({"SGLANG_ENABLE_PREFILL_FWD_THREAD": "1"}, {}, "thread"),
+    ({"SGLANG_ENABLE_PREFILL_FWD_THREAD": "1", "SGLANG_PREFILL_FWD_THREAD_AHEAD": "1"}, {},
+     "thread-ahead"),
+    ({"MPPREFILL_FORWARD_MODE": "proc"}, {}, "proc"),
+    ({"MPPREFILL_FORWARD_MODE": "proc"}, {"disable_overlap": True}, "normal"),
+    ({"SGLANG_ENABLE_PREFILL_FWD_THREAD": "1"}, {"mode": "overlap"}, "overlap"),
+])
+def test_mode_dispatch_and_env_aliases(env, flags, expected):
+    from mpprefill.config import resolve_forward_mode
+
+    got = resolve_forward_mode(flags.get("mode"), flags.get("disable_overlap", False), env)
+    assert got == expected
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(forward_mode="proc-ahead", disable_overlap_schedule=True), "disable-overlap"),
+    (dict(forward_mode="thread", disaggregation_mode="null"), "disaggregation-mode prefill"),
+    (dict(forward_mode="normal", pp_size=2), "pipeline"),
+])
+def test_mode_outside_its_conditions_is_a_startup_error(kw, why):
+    from mpprefill.config import ServerArgs
+
+    with pytest.raises(ValueError, match=why):
+        ServerArgs(**kw).resolved_forward_mode  # noqa: B018
+    with pytest.raises(ValueError, match=why):
+        PrefillEngine(**kw)
