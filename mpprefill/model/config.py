@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -31,8 +32,13 @@ class ModelConfig:
     attention_out_bias: bool = False
     architecture: str = "LlamaForCausalLM"
     dtype: str = "float32"
+    # Sliding-window attention: a layer of type "sliding_attention" sees the last
+    # `sliding_window` positions (itself included); None everywhere means full attention.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        self._check_layer_types()
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
             _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
         _require(self.max_position_embeddings > 0, "max_position_embeddings must be positive")
@@ -44,6 +50,33 @@ class ModelConfig:
             f"architecture {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}",
         )
         _require(self.dtype in _DTYPES, f"dtype {self.dtype!r} is not one of {tuple(_DTYPES)}")
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        _require(
+            len(self.layer_types) == self.num_hidden_layers,
+            f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers",
+        )
+        bad = set(self.layer_types) - set(LAYER_TYPES)
+        _require(not bad, f"unknown layer types {sorted(bad)}; known: {LAYER_TYPES}")
+        _require(
+            self.sliding_window is None or self.sliding_window > 0,
+            f"sliding_window must be positive, got {self.sliding_window}",
+        )
+
+    def is_sliding(self, layer: int) -> bool:
+        """True when `layer` attends only to the last `sliding_window` positions."""
+        return (
+            self.sliding_window is not None
+            and self.layer_types is not None
+            and self.layer_types[layer] == "sliding_attention"
+        )
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(self.is_sliding(i) for i in range(self.num_hidden_layers))
 
     def _check_heads(self) -> None:
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
@@ -100,6 +133,7 @@ class ModelConfig:
             attention_out_bias=attn_bias and not qwen2,
             architecture=arch,
             dtype=dtype,
+            **_sliding(hf, qwen2),
         )
 
 
@@ -134,11 +168,27 @@ def _check_supported_features(hf: dict[str, Any]) -> None:
     act = hf.get("hidden_act", "silu")
     _require(act == "silu", f"hidden_act {act!r} is not supported (only 'silu')")
     _require(not hf.get("mlp_bias", False), "mlp_bias=true is not supported")
-    _require(not hf.get("use_sliding_window", False), "sliding-window attention is not supported")
     for key in ("rope_scaling", "rope_parameters"):
         rope = hf.get(key) or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
         _require(kind == "default", f"{key} of type {kind!r} is not supported (only default)")
+
+
+def _sliding(hf: dict[str, Any], qwen2: bool) -> dict[str, Any]:
+    """Window and layer types as transformers derives them from config.json."""
+    window = hf.get("sliding_window")
+    if qwen2 and not hf.get("use_sliding_window", False):
+        window = None  # Qwen2 ignores the window unless use_sliding_window is set
+    types = hf.get("layer_types")
+    if types is None and qwen2 and window is not None:
+        first = hf.get("max_window_layers", 28)
+        types = [
+            "sliding_attention" if i >= first else "full_attention"
+            for i in range(hf["num_hidden_layers"])
+        ]
+    if types is None or window is None:
+        return {}
+    return {"sliding_window": int(window), "layer_types": tuple(types)}
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:

@@ -30,8 +30,10 @@ def save_random_model(config: ModelConfig, path: str, seed: int = 0) -> str:
     model = LlamaForCausalLM(config)
     model.init_random_weights(seed)
     params = dict(model.named_parameters())
-    tensors = {hf: params[ours][rows].detach().contiguous().clone()
-               for hf, (ours, rows) in hf_name_table(config).items()}
+    tensors = {
+        hf: params[ours][rows].detach().contiguous().clone()
+        for hf, (ours, rows) in hf_name_table(config).items()
+    }
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config(config), f, indent=1)

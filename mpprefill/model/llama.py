@@ -56,7 +56,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_out_bias)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], kv: KVCache, locs: Tensor, spans: list[Span]
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        kv: KVCache,
+        locs: Tensor,
+        spans: list[Span],
     ) -> Tensor:
         n = x.shape[0]
         q, k, v = self.wqkv(x).split(self.sizes, dim=-1)
@@ -123,8 +128,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.tok_embeddings(fb.input_ids)
         rope = rope_cos_sin(fb.positions, self.config.head_size, self.config.rope_theta)
         spans = ragged_spans(fb)
-        for layer in self.layers:
-            x = layer(x, rope, kv, fb.out_cache_loc, spans)
+        window = self.config.sliding_window
+        swa_spans = ragged_spans(fb, window) if self.config.has_sliding_layers else spans
+        for i, layer in enumerate(self.layers):
+            layer_spans = swa_spans if self.config.is_sliding(i) else spans
+            x = layer(x, rope, kv, fb.out_cache_loc, layer_spans)
         x = x[fb.last_token_indices]
         return self.output(self.norm(x)).float()
 
@@ -155,16 +163,28 @@ def attend(q: Tensor, k: Tensor, v: Tensor, span: Span) -> Tensor:
     return out[0].transpose(0, 1)
 
 
-def ragged_spans(fb: ForwardBatch) -> list[Span]:
-    """Per-request row ranges, KV slots and masks, computed once per forward for all layers."""
+def ragged_spans(fb: ForwardBatch, window: int | None = None) -> list[Span]:
+    """Per-request row ranges, KV slots and masks, computed once per forward for all layers
+    (once more for sliding-window layers, with `window`)."""
     spans, row, kv_start = [], 0, 0
     for prefix, extend in zip(fb.prefix_lens.tolist(), fb.extend_lens.tolist(), strict=True):
         kv_end = kv_start + prefix + extend
-        mask = prefix_causal_mask(prefix, extend, fb.input_ids.device)
-        causal = prefix == 0 and extend > 1
+        if window is not None and prefix + extend > window:
+            mask = sliding_window_mask(prefix, extend, window, fb.input_ids.device)
+            causal = False
+        else:
+            mask = prefix_causal_mask(prefix, extend, fb.input_ids.device)
+            causal = prefix == 0 and extend > 1
         spans.append(Span(slice(row, row + extend), fb.kv_indices[kv_start:kv_end], mask, causal))
         row, kv_start = row + extend, kv_end
     return spans
+
+
+def sliding_window_mask(prefix: int, extend: int, window: int, device: torch.device) -> Tensor:
+    """Boolean [extend, prefix + extend]: new token at position p sees keys p - window < j <= p."""
+    keys = torch.arange(prefix + extend, device=device)
+    queries = torch.arange(prefix, prefix + extend, device=device)[:, None]
+    return (keys[None, :] <= queries) & (keys[None, :] > queries - window)
 
 
 def prefix_causal_mask(prefix: int, extend: int, device: torch.device) -> Tensor | None:

@@ -92,7 +92,6 @@ def test_from_hf_falls_back_to_model_type():
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
         ({"hidden_act": "gelu"}, "gelu"),
-        ({"use_sliding_window": True}, "sliding"),
         ({"vocab_size": None}, "vocab_size"),
     ],
 )
