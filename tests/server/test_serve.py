@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -113,3 +114,37 @@ def test_mode_conflict_is_a_clear_startup_error(server_factory):
         timeout=60,
     )
     assert out.returncode != 0 and "disable-overlap-schedule" in out.stderr
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_worker_death_fails_requests_and_exits_nonzero(server_factory):
+    srv = server_factory(
+        "--forward-mode",
+        "proc-ahead",
+        "--chunked-prefill-size",
+        "16",
+        "--max-running-requests",
+        "1",
+    )
+    rids = {f"w{i}" for i in range(50)}
+    for i, rid in enumerate(sorted(rids)):
+        srv.client.generate(rid, [(i * 11 + j) % 4000 + 1 for j in range(300)])
+    time.sleep(0.5)
+    (worker,) = [p for p in _children(srv.proc.pid) if _is_spawned_worker(p)]
+    os.kill(worker, signal.SIGKILL)
+    replies = srv.client.recv_until(rids, timeout=30)
+    rc = srv.proc.wait(30)
+    errors = [r for r in replies.values() if r["status"] == "error"]
+    assert rc != 0 and errors
+    assert all("worker" in r["error"] for r in errors)
+    assert "forward worker failed" in srv.log()
+    assert srv.shm_left() == []
+
+
+def _is_spawned_worker(pid: int) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return b"spawn_main" in f.read()  # not the resource tracker
