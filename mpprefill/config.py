@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ahead")
 TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
+STAGINGS = ("pinned", "cuda-ipc")  # how a CUDA worker gets its batch inputs
 
 
 def _f(default, help: str, **kw):
@@ -40,6 +41,13 @@ class ServerArgs:
     port: int = _f(30100, "request socket port")
     decode_address: str | None = _f(None, "decode receiver address host:port (shm/mooncake)")
     device: str = _f("cpu", "device of the forward worker", choices=("cpu", "cuda"))
+    staging: str = _f(
+        "pinned",
+        "with --device cuda, how batches reach the forward process: pinned host shared memory"
+        " the worker copies in (the scheduler needs no CUDA) or cuda-ipc device slots the"
+        " scheduler fills on its own copy stream",
+        choices=STAGINGS,
+    )
     worker_threads: int = _f(0, "torch threads for the forward (0: all cores)")
     trace_dir: str | None = _f(None, "write Chrome trace JSON here")
     check_invariants: bool = _f(False, "assert pool/cache invariants after every drain")
@@ -49,6 +57,12 @@ class ServerArgs:
     random_seed: int = _f(0, "seed of the built-in model's weights")
     record_batches: str | None = _f(None, "on exit, write every batch's shape (JSON) here")
     log_level: str = _f("info", "logging level")
+    host_store_size: int = _f(
+        0, "host KV store under the device prefix cache, in tokens, LRU-evicted (0: off)"
+    )
+    disable_batched_staging: bool = _f(
+        False, "stage host write-backs one request at a time instead of one copy per batch"
+    )
 
     def __post_init__(self):
         if self.forward_mode is not None and self.forward_mode not in FORWARD_MODES:
@@ -62,8 +76,14 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.max_total_tokens < self.page_size:
             raise ValueError("--max-total-tokens must hold at least one page")
+        if self.host_store_size < 0:
+            raise ValueError("--host-store-size must be >= 0 (0: off)")
+        if 0 < self.host_store_size < self.page_size:
+            raise ValueError("--host-store-size must be 0 or hold at least one page")
         if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend: one of {TRANSFER_BACKENDS}")
+        if self.staging not in STAGINGS:
+            raise ValueError(f"--staging: one of {STAGINGS}")
 
     @property
     def num_pages(self) -> int:

@@ -42,13 +42,18 @@ class TransferBackend:
         bootstrap_timeout: float = 30.0,
         dead_timeout: float = 5.0,
         heartbeat_interval: float = 0.5,
+        fence=None,
     ) -> None:
+        """`fence` (the worker's `kv_fence`, optional): `required(pages)` names the forward a
+        send's pages need, on the scheduler thread; `wait(gen)` blocks the transfer thread
+        until it completed, so no page is read while a forward still writes it."""
         if page_size < 1 or kv.num_slots < page_size:
             raise ValueError(f"bad page size {page_size} for a pool of {kv.num_slots} slots")
         self.kv, self.page_size = kv, page_size
         self.decode_address = decode_address or DEFAULT_DECODE_ADDRESS
         self.bootstrap_timeout, self.dead_timeout = bootstrap_timeout, dead_timeout
         self.heartbeat_interval = heartbeat_interval
+        self.fence = fence
         self.layout = P.PoolLayout.of(kv.buffer, page_size)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -74,7 +79,8 @@ class TransferBackend:
         return sender
 
     def enqueue(self, cmd: TransferCmd | None) -> None:
-        self._cmds.put(cmd)
+        fenced = self.fence is not None and cmd is not None and cmd.kind == "send"
+        self._cmds.put((cmd, self.fence.required(cmd.src) if fenced else 0))
         with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
             os.write(self._wake_w, b"\0")
 
@@ -134,7 +140,7 @@ class TransferBackend:
     def _run_commands(self) -> bool:
         while True:
             try:
-                cmd = self._cmds.get_nowait()
+                cmd, after = self._cmds.get_nowait()
             except queue.Empty:
                 return True
             if cmd is None:
@@ -142,7 +148,7 @@ class TransferBackend:
             if cmd.kind == "start":
                 self._start(cmd.sender)
             elif cmd.kind == "send":
-                self._send_pages(cmd)
+                self._send_pages(cmd, after)
             else:
                 self._live.pop(cmd.sender.room, None)
                 self._post(P.Abort(cmd.sender.room))
@@ -157,12 +163,14 @@ class TransferBackend:
         self._live[s.room] = s
         s.deadline, s.next_try = now + self.bootstrap_timeout, now
 
-    def _send_pages(self, cmd: TransferCmd) -> None:
+    def _send_pages(self, cmd: TransferCmd, after: int = 0) -> None:
         s = cmd.sender
         if self._live.get(s.room) is not s or not s.is_live:
             return
         try:
             if len(cmd.src):
+                if after:
+                    self.fence.wait(after)  # the forward that wrote these pages completed
                 t0 = clock_ns()
                 self._write(s.target, cmd.src, cmd.dst)
                 tracer = get_tracer()
@@ -271,7 +279,7 @@ class TransferBackend:
         for s in list(self._live.values()):
             self._fail(s, "the transfer backend is closed")
         while not self._cmds.empty():  # left behind by a crash, or sent after close
-            cmd = self._cmds.get_nowait()
+            cmd, _ = self._cmds.get_nowait()
             if cmd is not None:
                 cmd.sender.fail("the transfer backend is closed")
         self._sock.close(linger=200)

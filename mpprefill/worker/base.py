@@ -14,6 +14,7 @@ from mpprefill.sampling import SamplingBatchInfo
 
 if TYPE_CHECKING:
     from mpprefill.scheduling.batch import ScheduleBatch
+    from mpprefill.worker.fence import KVWriteFence
 
 
 @dataclass(slots=True, eq=False)
@@ -62,6 +63,9 @@ class Worker:
 
     kind = "base"
     early_send_hook: Callable[[ForwardSnapshot], None] | None = None
+    # Readers of the KV pool outside the worker (transfer backend, host store) pass this
+    # first; None where the forward runs in-process and stream order already holds.
+    kv_fence: KVWriteFence | None = None
 
     def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:
         raise NotImplementedError

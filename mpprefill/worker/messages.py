@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ipc import TensorHandle, message
 
@@ -21,7 +21,8 @@ class Ready:
 @message
 @dataclass(slots=True)
 class Submit:
-    """One forward: which staging slot, how much of each field is valid."""
+    """One forward: which staging slot, how much of each field is valid (the worker
+    opened both slots' handles once, at start)."""
 
     seq: int
     slot: int
@@ -30,7 +31,6 @@ class Submit:
     num_kv: int
     delay_sample: bool
     want_logits: bool
-    staging: dict[str, TensorHandle] = field(default_factory=dict)
 
 
 @message
@@ -42,6 +42,9 @@ class Sample:
 @message
 @dataclass(slots=True)
 class Done:
+    """The forward (or sample) is issued; its results are readable once the event
+    "result_ready" reached its generation (at once on the CPU)."""
+
     seq: int
     forward_s: float
     sampled: bool

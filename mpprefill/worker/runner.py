@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -10,6 +10,8 @@ from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, LlamaForCausalLM
 from mpprefill.sampling import SamplingBatchInfo, sample
 from mpprefill.trace.tracer import clock_ns, get_tracer
+
+T = TypeVar("T", ForwardBatch, SamplingBatchInfo)
 
 
 class RunOutput(NamedTuple):
@@ -35,6 +37,7 @@ class ForwardRunner:
         seq: int = -1,
     ) -> RunOutput:
         t0 = clock_ns()
+        fb, sampling = self.on_device(fb), self.on_device(sampling)
         logits = self.model(fb, self.kv)
         tokens = None if delay_sample else sample(logits, sampling)
         self.num_forwards += 1
@@ -46,4 +49,10 @@ class ForwardRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingBatchInfo) -> torch.Tensor:
-        return sample(logits, sampling)
+        return sample(logits, self.on_device(sampling))
+
+    def on_device(self, batch: T) -> T:
+        """`batch` (a ForwardBatch or SamplingBatchInfo) with its tensors where the KV is;
+        the local workers hand over host tensors, the forward process device ones."""
+        first = batch.input_ids if isinstance(batch, ForwardBatch) else batch.top_ps
+        return batch if first.device == self.kv.device else batch.to(self.kv.device)

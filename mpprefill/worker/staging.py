@@ -2,19 +2,25 @@
 
 Two slots alternate, so batch N+1 is written while batch N's slot is being read. A slot
 is rewritten only after the forward that read it signalled "shared reads done" (the
-WAR barrier): `reads_done[slot]` reaches the seq of that forward.
+WAR barrier, `SchedulerOrder.before_write`). Where the slots live follows the device
+plan: POSIX shm (CPU, and pinned staging on a GPU) or device memory shared through CUDA
+IPC (`staging_cuda.CudaIpcStaging`). Slots are allocated once; their handles travel once,
+at spawn, and the worker opens them once.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 import ipc
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling import SamplingBatchInfo
+from mpprefill.worker.device import DevicePlan, HostStream
+from mpprefill.worker.ordering import NUM_SLOTS, SchedulerOrder
 
 FB_FIELDS = ("input_ids", "positions", "out_cache_loc", "prefix_lens", "extend_lens", "kv_indices")
-NUM_SLOTS = 2
 
 
 def staging_specs(max_tokens: int, max_reqs: int, max_kv: int) -> ipc.bundle.Specs:
@@ -31,13 +37,65 @@ def staging_specs(max_tokens: int, max_reqs: int, max_kv: int) -> ipc.bundle.Spe
     return specs
 
 
-def write_slot(slot: dict[str, torch.Tensor], fb: ForwardBatch, sampling: SamplingBatchInfo):
+class ShmStaging:
+    """The scheduler's two slots in host shared memory, written by the host (CPU, and
+    pinned staging on a GPU: the worker page-locks the segments)."""
+
+    kind = "shm"
+    device = "cpu"
+    non_blocking = False
+
+    def __init__(self, specs: ipc.bundle.Specs, prefix: str):
+        self.specs = specs
+        self.bundles = [ipc.SharedBundle(specs, prefix, self.device) for _ in range(NUM_SLOTS)]
+        self.stream = self.new_stream()
+
+    def new_stream(self) -> HostStream:
+        return HostStream()
+
+    @property
+    def handles(self) -> list[dict[str, ipc.TensorHandle]]:
+        return [b.handles for b in self.bundles]
+
+    def write(self, slot: int, seq: int, fb: ForwardBatch, sampling, order: SchedulerOrder):
+        """Barrier, writes, record, all on the writing stream; returns the counts."""
+        check_capacity(fb, self.specs)
+        with self.stream.current():
+            order.before_write(slot)
+            counts = write_slot(self.bundles[slot].tensors, fb, sampling, self.non_blocking)
+            order.after_write(slot, seq)
+        return counts
+
+    def unlink(self) -> None:
+        for b in self.bundles:
+            b.unlink()
+
+
+def staging_class(plan: DevicePlan) -> type[ShmStaging]:
+    """The scheduler's staging for a plan (its `device` is `plan.slot_device`)."""
+    if plan.staging == "cuda-ipc":
+        from mpprefill.worker.staging_cuda import CudaIpcStaging
+
+        return CudaIpcStaging
+    return ShmStaging
+
+
+def make_staging(specs: ipc.bundle.Specs, prefix: str, plan: DevicePlan) -> ShmStaging:
+    return staging_class(plan)(specs, prefix)
+
+
+def write_slot(
+    slot: dict[str, torch.Tensor],
+    fb: ForwardBatch,
+    sampling: SamplingBatchInfo,
+    non_blocking: bool = False,
+):
     """Copy one snapshot into a slot; returns (num_tokens, num_reqs, num_kv)."""
     for name in FB_FIELDS:
         src = getattr(fb, name)
-        slot[name][: len(src)].copy_(src)
+        slot[name][: len(src)].copy_(src, non_blocking=non_blocking)
     for name, t in sampling.to_tensors().items():
-        slot["s_" + name][: len(t)].copy_(t)
+        slot["s_" + name][: len(t)].copy_(t, non_blocking=non_blocking)
     return fb.num_tokens, fb.batch_size, len(fb.kv_indices)
 
 
@@ -47,16 +105,27 @@ def read_slot(
     num_reqs: int,
     num_kv: int,
     device: torch.device | str = "cpu",
-) -> tuple[ForwardBatch, SamplingBatchInfo]:
-    """Zero-copy views of a slot (copies when the device differs)."""
+) -> tuple[ForwardBatch, SamplingBatchInfo, bool]:
+    """Views of a slot, or copies on `device` when the slot lives elsewhere (issued on the
+    current stream, asynchronous from pinned memory). The flag says whether it copied:
+    then the slot's reads end here; otherwise they end with the forward."""
     sizes = {"prefix_lens": num_reqs, "extend_lens": num_reqs, "kv_indices": num_kv}
     fb = ForwardBatch(**{n: slot[n][: sizes.get(n, num_tokens)] for n in FB_FIELDS})
     sampling = SamplingBatchInfo.from_tensors(
         {k[2:]: v for k, v in slot.items() if k.startswith("s_")}, batch_size=num_reqs
     )
-    if torch.device(device) != fb.input_ids.device:
-        fb, sampling = fb.to(device), sampling.to(device)
-    return fb, sampling
+    if torch.device(device) == fb.input_ids.device:
+        return fb, sampling, False
+    return _moved(fb, device), _moved(sampling, device, sampling.to_tensors()), True
+
+
+def _moved(obj, device, fields: dict[str, torch.Tensor] | None = None):
+    """A copy with its tensors on `device`; other fields (all_greedy) are kept."""
+    if fields is None:
+        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return dataclasses.replace(
+        obj, **{k: t.to(device, non_blocking=True) for k, t in fields.items()}
+    )
 
 
 def check_capacity(fb: ForwardBatch, specs: ipc.bundle.Specs) -> None:

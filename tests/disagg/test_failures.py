@@ -126,7 +126,8 @@ def test_decode_killed_mid_run(pool, room):
             assert "silent" in senders[0].failure_reason()
     finally:
         b.close()
-    assert ipc.list_segments(d.prefix)  # SIGKILL left it; the next decode's sweep takes it
+    # SIGKILL leaves the segment; a starting decode (or this sweep) removes it. Another decode
+    # starting meanwhile may already have swept it, so only the end state is checked.
     ipc.sweep_stale("mppdecode")
     assert not ipc.list_segments(d.prefix)
     d.close()

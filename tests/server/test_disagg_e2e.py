@@ -112,12 +112,13 @@ def test_kv_arrives_verified_and_tokens_match_offline(cluster, backend):
 def test_decode_killed_mid_run_fails_only_the_affected(cluster):
     server, decode = cluster("shm", serve_flags=["--max-running-requests", "2"])
     router = Router(server.port, decode.port)
-    ps = prompts(30, seed=3)
+    ps = [p * 8 for p in prompts(30, seed=3)]  # long enough that the run outlasts the kill
     for i, spec in enumerate(specs(ps)):
         router._send(spec, 500 + i, {spec.rid: _Sink()})
-    time.sleep(1.0)
-    decode.proc.kill()
-    client_replies = _collect(router.prefill, {f"r{i}" for i in range(len(ps))}, timeout=120)
+    rids = {f"r{i}" for i in range(len(ps))}
+    first = _collect(router.prefill, rids, timeout=120, until_done=2)
+    decode.proc.kill()  # some requests are done; the rest are queued or in transfer
+    client_replies = {**first, **_collect(router.prefill, rids - first.keys(), timeout=120)}
     router.close()
     statuses = [r["status"] for r in client_replies.values()]
     assert len(client_replies) == len(ps)  # every request answered once
@@ -149,9 +150,12 @@ class _Sink:
     t_send = 0.0
 
 
-def _collect(sock, rids: set[str], timeout: float) -> dict[str, dict]:
+def _collect(sock, rids: set[str], timeout: float, until_done: int = 0) -> dict[str, dict]:
+    """Replies for `rids`; with until_done, stop once that many requests are done."""
     out, deadline = {}, time.monotonic() + timeout
     while not rids <= out.keys() and time.monotonic() < deadline:
+        if until_done and sum(r["status"] == "done" for r in out.values()) >= until_done:
+            break
         if sock.poll(200):
             reply = json.loads(sock.recv())
             assert reply["rid"] not in out, "a request got two replies"

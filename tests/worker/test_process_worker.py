@@ -12,6 +12,7 @@ import pytest
 import ipc
 from mpprefill.engine import PrefillEngine
 from mpprefill.worker.base import WorkerDied
+from mpprefill.worker.ordering import SchedulerOrder
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,8 +34,10 @@ def test_mailbox_bytes_do_not_grow_with_batch_tokens():
     assert large < 4096
 
 
-def test_war_barrier_holds_against_late_reads(monkeypatch):
+@pytest.mark.parametrize("device_lag", ["0", "0.02"])
+def test_war_barrier_holds_against_late_reads(monkeypatch, device_lag):
     monkeypatch.setenv("MPPREFILL_TEST_SLOW_READS", "0.2")
+    monkeypatch.setenv("MPPREFILL_TEST_SLOW_DEVICE", device_lag)  # replies before the forward
     prompts = [[i + 1] * (20 + i) for i in range(8)]
     with PrefillEngine(
         forward_mode="proc-ahead", max_running_requests=1, check_invariants=True
@@ -45,7 +48,7 @@ def test_war_barrier_holds_against_late_reads(monkeypatch):
 
 def test_war_violation_is_caught_without_the_barrier(monkeypatch):
     monkeypatch.setenv("MPPREFILL_TEST_SLOW_READS", "0.3")
-    monkeypatch.setattr(ipc.ShmEvent, "wait", lambda self, *a, **k: None)
+    monkeypatch.setattr(SchedulerOrder, "before_write", lambda self, slot: None)
     prompts = [[i + 1] * (20 + i) for i in range(8)]
     with PrefillEngine(forward_mode="proc-ahead", max_running_requests=1) as eng:
         with pytest.raises(WorkerDied, match="rewritten"):

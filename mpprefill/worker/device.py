@@ -1,0 +1,127 @@
+"""What a device implies for the forward process: staging, event kinds, the stream.
+
+| device | staging  | slots live in        | scheduler events | worker events (it records) |
+|--------|----------|----------------------|------------------|----------------------------|
+| cpu    | shm      | POSIX shm            | ShmEvent         | ShmEvent                   |
+| cuda   | pinned   | shm, page-locked     | ShmEvent         | HostFencedEvent            |
+| cuda   | cuda-ipc | device (CUDA IPC)    | CudaGenEvent     | CudaGenEvent               |
+
+Everything else (which event is waited on before what) is the same on every row; see
+`ordering.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ipc.cuda import CudaGenEvent, HostFencedEvent
+from ipc.events import ShmEvent
+
+EVENT_CLASSES = {"shm": ShmEvent, "cuda": CudaGenEvent, "fenced": HostFencedEvent}
+# Test hook: the device runs issued work this many seconds late.
+SLOW_DEVICE_ENV = "MPPREFILL_TEST_SLOW_DEVICE"
+CLOCK_HZ = 1.5e9  # SM cycles per second assumed by device-side test sleeps
+
+
+@dataclass(frozen=True)  # NOTE: no slots: it crosses spawn by pickle, also on Python 3.10
+class DevicePlan:
+    device: str  # "cpu" | "cuda"
+    staging: str  # "shm" | "pinned" | "cuda-ipc"
+
+    def __post_init__(self):
+        ok = (self.device, self.staging) in (
+            ("cpu", "shm"),
+            ("cuda", "pinned"),
+            ("cuda", "cuda-ipc"),
+        )
+        if not ok:
+            raise ValueError(f"no staging {self.staging!r} on device {self.device!r}")
+
+    @classmethod
+    def of(cls, device: str, staging: str) -> DevicePlan:
+        """The plan for --device and --staging; a CPU worker always stages through shm."""
+        kind = torch.device(device).type
+        return cls("cpu", "shm") if kind == "cpu" else cls(kind, staging)
+
+    @property
+    def slot_device(self) -> str:
+        """Where the staging slots live (the scheduler allocates them there)."""
+        return "cuda" if self.staging == "cuda-ipc" else "cpu"
+
+    @property
+    def scheduler_uses_cuda(self) -> bool:
+        return self.staging == "cuda-ipc"
+
+    @property
+    def pin_host_buffers(self) -> bool:
+        """Page-lock the shared host buffers the worker copies from and to."""
+        return self.device == "cuda"
+
+    def event_kind(self, side: str, recorder: str) -> str:
+        """The kind of an event that `recorder` records, as held by `side` (each one of
+        "scheduler" or "worker")."""
+        if self.staging == "cuda-ipc":
+            return "cuda"
+        if self.device == "cuda" and side == recorder == "worker":
+            return "fenced"
+        return "shm"
+
+    def event_class(self, side: str, recorder: str) -> type:
+        return EVENT_CLASSES[self.event_kind(side, recorder)]
+
+
+class HostStream:
+    """The CPU "device": issued work runs at once, on the calling thread."""
+
+    def run(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def check(self) -> None:
+        """Raise what issued work raised (work that ran later, elsewhere)."""
+
+    def drain(self) -> None:
+        """Return once every issued piece of work has run."""
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        yield
+
+
+class CudaStream(HostStream):
+    """Issued work is enqueued on one CUDA stream; events record on it. `lag` (a test
+    hook) puts a device-side sleep of about that many seconds before each piece."""
+
+    def __init__(self, lag: float = 0.0) -> None:
+        self.stream = torch.cuda.Stream()
+        self.cycles = int(lag * CLOCK_HZ)
+
+    def run(self, fn: Callable[[], None]) -> None:
+        with torch.cuda.stream(self.stream):
+            if self.cycles:
+                torch.cuda._sleep(self.cycles)
+            fn()
+
+    def drain(self) -> None:
+        self.stream.synchronize()
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        with torch.cuda.stream(self.stream):
+            yield
+
+
+def make_stream(plan: DevicePlan) -> HostStream:
+    """The worker's forward stream, lagging when the test hook asks."""
+    lag = float(os.environ.get(SLOW_DEVICE_ENV, "0"))
+    if plan.device == "cuda":
+        return CudaStream(lag)
+    if lag > 0:
+        from mpprefill.worker.emulation import LaggingStream
+
+        return LaggingStream(lag)
+    return HostStream()

@@ -1,0 +1,133 @@
+"""Which event is waited on before what, written once for every device and staging.
+
+| event            | recorder  | recorded after              | waiter     | waited before      |
+|------------------|-----------|-----------------------------|------------|--------------------|
+| staged[slot]     | scheduler | its writes into the slot    | worker     | reading the slot   |
+| reads_done[slot] | worker    | the forward's last read     | scheduler  | rewriting it (WAR) |
+| forward_done     | worker    | the forward's last KV write | KV readers | reading its pages  |
+| result_ready     | worker    | its result slot writes      | scheduler  | reading results    |
+
+Generations: staged, reads_done and forward_done carry the batch's seq; result_ready
+carries 2 * seq for a forward and 2 * seq + 1 for its deferred sample. The event classes
+behind these names depend on the device (see `device.py`); the order does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ipc.cuda import CudaGenEvent, CudaIpcEvent, HostFencedEvent
+from ipc.events import GenEvent, ShmEvent
+from mpprefill.worker.device import DevicePlan
+
+NUM_SLOTS = 2
+EVENT_NAMES = ("staged0", "staged1", "reads_done0", "reads_done1", "forward_done", "result_ready")
+RECORDERS = ("scheduler", "scheduler", "worker", "worker", "worker", "worker")
+NUM_EVENTS = len(EVENT_NAMES)
+WAIT_S = 60.0  # no barrier legitimately takes longer than a forward; a hang must fail
+
+
+def forward_gen(seq: int) -> int:
+    return 2 * seq
+
+
+def sample_gen(seq: int) -> int:
+    return 2 * seq + 1
+
+
+@dataclass(slots=True)
+class EventSet:
+    staged: list[GenEvent]
+    reads_done: list[GenEvent]
+    forward_done: GenEvent
+    result_ready: GenEvent
+
+    def all(self) -> list[GenEvent]:
+        return [*self.staged, *self.reads_done, self.forward_done, self.result_ready]
+
+    def flush(self) -> None:
+        for event in self.all():
+            event.flush()
+
+
+def make_events(
+    plan: DevicePlan,
+    side: str,
+    table: torch.Tensor,
+    cuda_handles: dict[str, str] | None = None,
+) -> tuple[EventSet, dict[str, str]]:
+    """The events over the shared int64 `table`, as `side` holds them, and the CUDA IPC
+    handles (by name) of the events this call created: the scheduler creates them, the
+    worker opens them from `cuda_handles`."""
+    events: list[GenEvent] = []
+    created: dict[str, str] = {}
+    for i, (name, recorder) in enumerate(zip(EVENT_NAMES, RECORDERS, strict=True)):
+        counter = ShmEvent(table[i : i + 1], name)
+        kind = plan.event_kind(side, recorder)
+        if kind == "cuda" and cuda_handles is None:
+            cuda = CudaIpcEvent.create()
+            created[name] = cuda.handle()
+            events.append(CudaGenEvent(counter, cuda))
+        elif kind == "cuda":
+            cuda = CudaIpcEvent.from_handle(torch.cuda.current_device(), cuda_handles[name])
+            events.append(CudaGenEvent(counter, cuda))
+        elif kind == "fenced":
+            events.append(HostFencedEvent(counter))
+        else:
+            events.append(counter)
+    s = NUM_SLOTS
+    return EventSet(events[:s], events[s : 2 * s], events[2 * s], events[2 * s + 1]), created
+
+
+class SchedulerOrder:
+    """The scheduler's side. NOTE: the worker may reply before its device work is
+    complete, so results and KV pages are read only after their events."""
+
+    def __init__(self, events: EventSet, alive: Callable[[], bool], timeout: float = WAIT_S):
+        self.events, self.alive, self.timeout = events, alive, timeout
+        self.slot_seq = [0] * NUM_SLOTS  # the last forward staged in each slot
+
+    def before_write(self, slot: int) -> None:
+        """WAR barrier: the forward that last read `slot` is done reading it. Issued on
+        the stream that writes the slot (the host on CPU and with pinned staging)."""
+        self.events.reads_done[slot].wait(self.slot_seq[slot], self.timeout, self.alive)
+
+    def after_write(self, slot: int, seq: int) -> None:
+        self.events.staged[slot].record(seq)
+        self.slot_seq[slot] = seq
+
+    def before_result(self, gen: int, timeout: float | None = None) -> None:
+        self.events.result_ready.synchronize(gen, timeout, self.alive)
+
+    def kv_written(self, seq: int) -> None:
+        """Block until forward `seq` and every earlier one finished writing KV."""
+        self.events.forward_done.synchronize(seq, self.timeout, self.alive)
+
+    def kv_written_query(self, seq: int) -> bool:
+        return self.events.forward_done.query(seq)
+
+
+class WorkerOrder:
+    """The forward process's side; records land on its forward stream."""
+
+    def __init__(self, events: EventSet, alive: Callable[[], bool], timeout: float = WAIT_S):
+        self.events, self.alive, self.timeout = events, alive, timeout
+
+    def before_read(self, slot: int, seq: int) -> None:
+        self.events.staged[slot].wait(seq, self.timeout, self.alive)
+
+    def reads_done(self, slot: int, seq: int) -> None:
+        self.events.reads_done[slot].record(seq)
+
+    def forward_done(self, seq: int) -> None:
+        self.events.forward_done.record(seq)
+
+    def result_ready(self, gen: int) -> None:
+        self.events.result_ready.record(gen)
+
+    def flush(self) -> None:
+        """Publish what a host-only peer waits on; called before every reply."""
+        self.events.flush()
