@@ -31,9 +31,11 @@ def forward_bound(
     batches = [_batch(p, e, runner.kv.num_slots, vocab, g) for p, e in shapes]  # built untimed
     for fb, sampling in batches[:warmup]:
         runner.forward(fb, sampling)
+    _sync(args.device)
     t0 = time.perf_counter()
     for fb, sampling in batches:
         runner.forward(fb, sampling)
+    _sync(args.device)  # device work is asynchronous: the clock stops when it is done
     elapsed = time.perf_counter() - t0
     tokens = sum(sum(e) for _, e in shapes)
     return {
@@ -55,3 +57,8 @@ def _batch(prefix_lens, extend_lens, num_slots, vocab, g) -> tuple:
     fb = ForwardBatch.build(ids, prefix_lens, slots)
     info = SamplingBatchInfo.from_params([SamplingParams()] * len(ids), vocab)
     return fb, info
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
