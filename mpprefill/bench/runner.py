@@ -60,6 +60,10 @@ class BenchConfig:
                 flags += ["--" + name.replace("_", "-"), getattr(a, name)]
         if a.delay_sampling:
             flags.append("--delay-sampling")
+        if a.host_store_size:
+            flags += ["--host-store-size", a.host_store_size]
+        if a.disable_batched_staging:
+            flags.append("--disable-batched-staging")
         if record:
             flags += ["--record-batches", record]
         if self.trace_dir:

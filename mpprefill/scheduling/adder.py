@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from mpprefill.memory.allocator import PagedTokenAllocator
-from mpprefill.memory.radix_cache import RadixCache
+from mpprefill.memory.radix_cache import MatchResult, RadixCache
 from mpprefill.scheduling.req import Req
+
+if TYPE_CHECKING:
+    from mpprefill.scheduling.host_tier import HostTier
 
 
 class AddResult(enum.Enum):
@@ -36,8 +40,10 @@ class PrefillAdder:
         max_reqs: int,
         free_rows: int,
         pending_keys: dict[tuple, int] | None = None,
+        host: HostTier | None = None,
     ):
         self.tree, self.allocator, self.page_size = tree, allocator, page_size
+        self.host = host
         self.pending_keys = {} if pending_keys is None else pending_keys
         self.rem_input = max_prefill_tokens
         self.rem_chunk = chunk_size  # None: no chunking
@@ -72,7 +78,9 @@ class PrefillAdder:
         """
         if self.full:
             return AddResult.FULL
-        match = self.tree.match_prefix(req.origin_input_ids)
+        match, left_on_host = self._match(req)
+        if left_on_host:
+            return AddResult.FULL  # its host pages load when there is room for them
         prefix = match.indices[: self._max_prefix(req)]
         key = self._prefix_key(req, len(prefix))
         if key is not None and self.pending_keys.get(key, 0) > 0:
@@ -91,6 +99,21 @@ class PrefillAdder:
             self.pending_keys[key] = self.pending_keys.get(key, 0) + 1
         self._take(req, n)
         return AddResult.ADDED
+
+    def _match(self, req: Req) -> tuple[MatchResult, int]:
+        """The cached prefix and how many of its host pages could not be loaded.
+
+        With a host tier, host pages past the device match are loaded within the device
+        pages left after this request's first chunk, and count as cached. Only a request
+        that runs first may load part of them.
+        """
+        if self.host is None:
+            return self.tree.match_prefix(req.origin_input_ids), 0
+        limit = self._max_prefix(req)
+        tail = self.allocator.pages_needed(limit, req.prompt_len)  # unchunked: all of it
+        tail = 1 if self.rem_chunk is not None else tail
+        budget = lambda: self.rem_pages - tail
+        return self.host.match_prefix(req.origin_input_ids, limit, budget, not self.can_run)
 
     def _prefix_key(self, req: Req, prefix_len: int) -> tuple | None:
         """(offset, tokens) of the first uncached page, when a whole page is uncached."""

@@ -23,6 +23,8 @@ def check_drained(s: Scheduler, flush: bool = False) -> dict[str, int]:
     s.req_pool.check()
     s.allocator.check()
     s.tree.check()
+    if s.host_tier is not None:
+        s.host_tier.check()  # valid with writes in flight: they hold their host pages
     _expect(s.req_pool.available_size() == s.req_pool.size, "req_to_token rows still held")
     _expect(s.tree.protected_size() == 0, "cache nodes still locked")
     free, held = s.allocator.available_size(), s.tree.total_size()

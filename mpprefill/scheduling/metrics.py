@@ -22,6 +22,8 @@ class SchedulerMetrics:
     num_failed: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_loaded_tokens: int = 0  # prefix tokens loaded back from the host KV store
+    host_written_tokens: int = 0  # tokens whose write-back to the host store was retired
     batch_shapes: list[tuple[list[int], list[int]]] | None = None  # (prefix, extend) lens
 
     def add_phase(self, name: str, start_ns: int, seq: int = -1) -> None:
@@ -67,6 +69,8 @@ class SchedulerMetrics:
             "num_failed": self.num_failed,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "host_loaded_tokens": self.host_loaded_tokens,
+            "host_written_tokens": self.host_written_tokens,
             "phase_s": dict(self.phase_s),
             "phase_n": dict(self.phase_n),
         }

@@ -20,9 +20,17 @@ logger = logging.getLogger(__name__)
 class ResultProcessing:
     """Mixed into Scheduler; every method runs on the scheduler thread."""
 
+    def retire_host_store_writes(self) -> None:
+        """Finished host-store write-backs become matchable; runs before ingest."""
+        if self.host_tier is not None:
+            t0 = clock_ns()
+            self.host_tier.retire()
+            self.metrics.add_phase("host-retire", t0)
+
     def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
         t0 = clock_ns()
         tokens = result.next_token_ids.tolist()
+        finished = []
         for i, req in enumerate(batch.reqs):
             self._release_prefix_key(req)
             if req.inflight_middle_chunks > 0:
@@ -39,9 +47,12 @@ class ResultProcessing:
             if req.return_logits:
                 req.logits = result.logits[i].float().clone()
             self.tree.cache_unfinished_req(req)
+            finished.append(req)
             req.status = ReqStatus.TRANSFERRING
             self.inflight_queue.append(req)
             self.send_kv_chunk(req, last=True)
+        if finished and self.host_tier is not None:
+            self.host_tier.write_back(finished)
         self.step("P", batch.seq)
         self.metrics.add_phase("P", t0, batch.seq)
 

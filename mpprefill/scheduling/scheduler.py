@@ -22,6 +22,7 @@ from mpprefill.model import ForwardBatch, ModelConfig
 from mpprefill.sampling import SamplingBatchInfo
 from mpprefill.scheduling.adder import AddResult, PrefillAdder
 from mpprefill.scheduling.batch import ScheduleBatch
+from mpprefill.scheduling.host_tier import make_host_tier
 from mpprefill.scheduling.metrics import SchedulerMetrics
 from mpprefill.scheduling.processing import ResultProcessing
 from mpprefill.scheduling.req import Req, ReqStatus
@@ -62,6 +63,7 @@ class Scheduler(ResultProcessing):
         self.forwards_in_flight = 0
         self._mailbox_mark = getattr(worker, "mailbox_bytes", 0)
         self.metrics = SchedulerMetrics()
+        self.host_tier = make_host_tier(args, self.tree, self.allocator, worker, self.metrics)
         self.steps: list[tuple[str, int]] | None = [] if record_steps else None
         self.recv_requests: Callable[[], list[Req]] = lambda: []
         self.wait_for_requests: Callable[[float], None] = time.sleep
@@ -111,9 +113,6 @@ class Scheduler(ResultProcessing):
 
     # ---- loop steps ----------------------------------------------------------------------
 
-    def retire_host_store_writes(self) -> None:
-        """Completed host-store write-backs are retired here (no host store configured)."""
-
     def ingest_requests(self) -> None:
         for req in self.recv_requests():
             self.incoming.append(req)
@@ -158,6 +157,7 @@ class Scheduler(ResultProcessing):
             self.args.max_running_requests,
             self.req_pool.available_size(),
             self.pending_prefix_keys,
+            self.host_tier,
         )
         if chunked is not None:
             adder.add_chunked_req(chunked)

@@ -1,0 +1,50 @@
+"""StagingBuffers: reusable buffers that hold staged KV until the host store's copy is done.
+
+A write-back gathers its device slots into one staging buffer on the scheduler thread; the
+copy thread then scatters it into host slots. The buffer goes back to the spares when the
+write retires.
+
+NOTE: reuse matters on the host: a fresh allocation of tens of MiB is mapped anew and
+page-faulted on first touch at every write; a spare is not.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class StagingBuffers:
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, spares: int = 4
+    ) -> None:
+        self.dims = (num_layers, num_kv_heads, head_dim)
+        self.slot_numel = 2 * num_layers * num_kv_heads * head_dim
+        self.dtype = dtype
+        self.max_spares = spares
+        self._spares: list[Tensor] = []
+
+    def take(self, num_slots: int, device: torch.device) -> Tensor:
+        """A flat buffer for at least num_slots slots' KV: the smallest spare that fits, or a
+        new one rounded up to a power of two of slots."""
+        need = num_slots * self.slot_numel
+        fits = [i for i, b in enumerate(self._spares) if b.numel() >= need and b.device == device]
+        if fits:
+            return self._spares.pop(min(fits, key=lambda i: self._spares[i].numel()))
+        slots = 1 << max(num_slots - 1, 0).bit_length()
+        return torch.empty(slots * self.slot_numel, dtype=self.dtype, device=device)
+
+    def view(self, buf: Tensor, num_slots: int) -> Tensor:
+        """The first num_slots slots of buf as contiguous KV [2, layers, n, heads, dim]."""
+        layers, heads, dim = self.dims
+        return buf[: num_slots * self.slot_numel].view(2, layers, num_slots, heads, dim)
+
+    def give(self, buf: Tensor) -> None:
+        """Back to the spares; the smallest spare is dropped beyond max_spares."""
+        self._spares.append(buf)
+        if len(self._spares) > self.max_spares:
+            sizes = [b.numel() for b in self._spares]
+            self._spares.pop(sizes.index(min(sizes)))
+
+    def spare_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._spares)

@@ -1,0 +1,115 @@
+"""The host KV store through the offline API: a small device cache, a large host store."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+import torch
+
+from mpprefill.bench.runner import BenchConfig
+from mpprefill.config import ServerArgs
+from mpprefill.engine import PrefillEngine
+from tests.scheduling.test_engine import dense_last_logits
+
+pytestmark = pytest.mark.timeout(300)
+SYSTEM_LEN, NUM_SYSTEMS = 96, 6
+ENGINE_KW = dict(
+    page_size=16,
+    chunked_prefill_size=64,
+    max_total_tokens=256,  # holds about two of the six system prompts
+    check_invariants=True,
+)
+
+
+def revisiting_prompts(seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """Two passes over the same system prompts, with fresh questions each time."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 4096) for _ in range(SYSTEM_LEN)] for _ in range(NUM_SYSTEMS)]
+
+    def one_pass() -> list[list[int]]:
+        return [s + [rng.randrange(1, 4096) for _ in range(rng.randrange(5, 20))] for s in systems]
+
+    return one_pass(), one_pass()
+
+
+def run_two_passes(mode: str, **kw):
+    first, second = revisiting_prompts()
+    with PrefillEngine(forward_mode=mode, **ENGINE_KW, **kw) as eng:
+        s = eng.scheduler
+        eng.prefill(first, return_logits=True)
+        if s.host_tier is not None:
+            s.host_tier.retire(wait=True)  # every write-back of pass one is matchable now
+        outs = eng.prefill(second, return_logits=True)
+        if s.host_tier is not None:
+            s.host_tier.retire(wait=True)
+            assert s.host_tier.store.writes_in_flight == 0
+        eng.check_invariants(flush=True)
+        return second, outs, s.metrics, s.host_tier
+
+
+@pytest.fixture(scope="module")
+def no_host_store():
+    return run_two_passes("normal")
+
+
+@pytest.mark.parametrize("mode", ["normal", "overlap", "thread-ahead", "proc-ahead"])
+def test_revisited_prefixes_load_from_the_host_and_match_no_cache(mode, no_host_store):
+    prompts, outs, metrics, tier = run_two_passes(mode, host_store_size=4096)
+    assert metrics.host_loaded_tokens > 0 and metrics.host_written_tokens > 0
+    cached = [o.cached_tokens for o in outs]
+    assert cached == [SYSTEM_LEN] * NUM_SYSTEMS  # all from the host: the device lost them
+    assert sum(cached) > sum(o.cached_tokens for o in no_host_store[1])
+    for p, o in zip(prompts, outs):
+        ref = dense_last_logits(p)
+        torch.testing.assert_close(o.logits, ref, atol=2e-4, rtol=1e-4)
+        assert o.first_token == int(ref.argmax())
+    tier.check()
+
+
+def host_bytes(tier) -> tuple[dict, torch.Tensor]:
+    """The index as {token chain: host page} and the held slots' bytes, in page order."""
+    entries = sorted(tier.store.index.entries(), key=lambda e: e.page)
+    chains = {}
+    for e in entries:
+        chain, node = [], e
+        while node is not tier.store.index.root:
+            chain.append(node.tokens)
+            node = node.parent
+        chains[tuple(reversed(chain))] = e.page
+    return chains, tier.store.kv.gather(tier.store.slots_of(entries)).view(torch.uint8)
+
+
+def test_batched_and_per_request_staging_store_the_same_bytes():
+    _, _, _, batched = run_two_passes("normal", host_store_size=4096)
+    _, _, _, single = run_two_passes("normal", host_store_size=4096, disable_batched_staging=True)
+    chains_b, bytes_b = host_bytes(batched)
+    chains_s, bytes_s = host_bytes(single)
+    assert chains_b == chains_s and torch.equal(bytes_b, bytes_s)
+    assert batched.staging_calls < single.staging_calls
+
+
+def test_host_store_is_off_by_default_and_flags_are_checked():
+    with PrefillEngine(forward_mode="normal", max_total_tokens=256) as eng:
+        assert eng.scheduler.host_tier is None
+        eng.prefill([[1, 2, 3]])
+        eng.check_invariants()
+    with pytest.raises(ValueError, match="host-store-size"):
+        ServerArgs(host_store_size=-1)
+    with pytest.raises(ValueError, match="host-store-size"):
+        ServerArgs(host_store_size=8, page_size=16)
+    ap = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(ap)
+    ns = ap.parse_args(["--host-store-size", "4096", "--disable-batched-staging"])
+    args = ServerArgs.from_cli(ns)
+    assert args.host_store_size == 4096 and args.disable_batched_staging
+
+
+def test_bench_passes_the_host_store_flags_to_the_server():
+    plain = BenchConfig(ServerArgs(), ["proc-ahead"]).server_flags("proc-ahead", None)
+    assert "--host-store-size" not in plain and "--disable-batched-staging" not in plain
+    server = ServerArgs(host_store_size=262144, disable_batched_staging=True)
+    flags = BenchConfig(server, ["proc-ahead"]).server_flags("proc-ahead", None)
+    i = flags.index("--host-store-size")
+    assert flags[i + 1] == "262144" and "--disable-batched-staging" in flags
