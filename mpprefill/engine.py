@@ -118,6 +118,8 @@ class PrefillEngine:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self.scheduler.host_tier is not None:
+                self.scheduler.host_tier.close()  # waits for the last host copies
             self.worker.close()
 
     def __enter__(self) -> PrefillEngine:
