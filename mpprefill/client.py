@@ -39,6 +39,10 @@ class Client:
             msg["bootstrap_room"] = bootstrap_room
         self.send(msg)
 
+    def abort(self, rid: str) -> None:
+        """No reply of its own when `rid` was live: the request's reply says it was aborted."""
+        self.send({"type": "abort", "rid": rid})
+
     def recv(self, timeout: float = 30.0) -> dict[str, Any]:
         if not self.sock.poll(int(timeout * 1000)):
             raise TimeoutError(f"no reply within {timeout}s")
@@ -57,10 +61,13 @@ class Client:
         return out
 
     def stats(self, timeout: float = 10.0) -> dict[str, Any]:
-        self.send({"type": "stats"})
+        """The server's stats; other replies arriving meanwhile are skipped."""
+        rid = f"stats-{uuid.uuid4().hex[:8]}"  # echoed: an older, late stats reply is skipped
+        self.send({"type": "stats", "rid": rid})
+        deadline = time.monotonic() + timeout
         while True:
-            reply = self.recv(timeout)
-            if reply.get("status") == "stats":
+            reply = self.recv(max(0.0, deadline - time.monotonic()))
+            if reply.get("status") == "stats" and reply.get("rid") in (rid, None):
                 return reply
 
     def close(self) -> None:

@@ -1,14 +1,46 @@
-"""The client <-> prefill server request protocol: one JSON object per frame."""
+"""The client <-> prefill server request protocol: one JSON object per frame.
+
+Frame sizes, three tiers (the server's socket enforces the last one):
+
+| frame size                              | what happens                                 |
+|-----------------------------------------|----------------------------------------------|
+| <= MAX_FRAME_BYTES                      | parsed; a bad frame gets an error reply      |
+| MAX_FRAME_BYTES < n <= MAX_WIRE_BYTES   | not parsed; error reply (rid from its head)  |
+| > MAX_WIRE_BYTES                        | ZeroMQ drops it and the connection before    |
+|                                         | allocating it (ZMQ_MAXMSGSIZE): no reply     |
+
+The server's ROUTER (`bind_server_socket`), and why each limit is there:
+
+- REPLY_HWM: replies queued per client. A client that never reads fills its queue; the
+  ROUTER is mandatory, so a further reply raises instead of queueing and is counted
+  and logged as dropped. Its request was released before: server memory stays flat.
+- REQUEST_HWM: frames queued per client before TCP pushes back on the client; with
+  MAX_WIRE_BYTES it bounds what one client can make the server buffer.
+- It binds where `--host` says: 127.0.0.1 by default, loopback only.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
+
+import zmq
 
 from mpprefill.sampling import SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20
+MAX_WIRE_BYTES = 2 * MAX_FRAME_BYTES
+MAX_RID_CHARS = 256
+MAX_ROOM = 2**63 - 1  # bootstrap rooms are int64 on every transfer backend
+REPLY_HWM = 8192
+REQUEST_HWM = 256
+SNIFF_BYTES = 1024  # head of an oversize frame searched for its rid
+# A rid that is the object's first key, or its second after a string "type".
+_HEAD_RID = re.compile(
+    rb'\A\s*\{\s*(?:"type"\s*:\s*"[^"\\]{0,32}"\s*,\s*)?"rid"\s*:\s*("(?:[^"\\]|\\.){1,512}?")'
+)
 
 
 class ProtocolError(ValueError):
@@ -34,24 +66,43 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class Stats:
-    pass
+    rid: str | None = None  # echoed in the reply when given
 
 
-def parse_frame(frame: bytes) -> Generate | Abort | Stats:
+def parse_frame(frame: bytes | memoryview) -> Generate | Abort | Stats:
+    """Parse one frame; ProtocolError (with the rid when readable) for anything unusable."""
     if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+        raise ProtocolError(
+            f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}",
+            sniff_rid(bytes(frame[:SNIFF_BYTES])),
+        )
     try:
-        obj = json.loads(frame)
-    except (UnicodeDecodeError, ValueError):
-        raise ProtocolError("frame is not JSON") from None
+        obj = json.loads(bytes(frame))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        head = bytes(frame[:SNIFF_BYTES])
+        raise ProtocolError("frame is not JSON (or nests too deeply)", sniff_rid(head)) from None
     if not isinstance(obj, dict):
         raise ProtocolError("frame is not a JSON object")
     rid = obj.get("rid") if isinstance(obj.get("rid"), str) else None
     kind = obj.get("type")
-    parser = {"generate": _generate, "abort": _abort, "stats": lambda o, r: Stats()}.get(kind)
+    parser = _PARSERS.get(kind) if isinstance(kind, str) else None
     if parser is None:
-        raise ProtocolError(f"unknown message type {kind!r}", rid)
+        raise ProtocolError(f"unknown message type {_short(kind)}", rid)
+    if rid is not None and len(rid) > MAX_RID_CHARS:
+        raise ProtocolError(f"rid longer than {MAX_RID_CHARS} characters", rid)
     return parser(obj, rid)
+
+
+def sniff_rid(head: bytes) -> str | None:
+    """The rid of a frame too large to parse, when its head shows it unambiguously."""
+    m = _HEAD_RID.match(head)
+    if m is None:
+        return None
+    try:
+        rid = json.loads(m.group(1))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return rid if isinstance(rid, str) and rid else None
 
 
 def _generate(obj: dict[str, Any], rid: str | None) -> Generate:
@@ -61,15 +112,15 @@ def _generate(obj: dict[str, Any], rid: str | None) -> Generate:
     if not isinstance(ids, list) or not all(type(t) is int for t in ids):
         raise ProtocolError("input_ids must be a list of integers", rid)
     room = obj.get("bootstrap_room")
-    if room is not None and (type(room) is not int or room < 0):
-        raise ProtocolError("bootstrap_room must be a non-negative integer", rid)
+    if room is not None and (type(room) is not int or not 0 <= room <= MAX_ROOM):
+        raise ProtocolError("bootstrap_room must be an integer in [0, 2**63)", rid)
     try:
         params = SamplingParams.from_dict(obj.get("sampling_params"))
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise ProtocolError(f"sampling_params: {e}", rid) from None
     unknown = set(obj) - {"type", "rid", "input_ids", "sampling_params", "bootstrap_room"}
     if unknown:
-        raise ProtocolError(f"unknown fields {sorted(unknown)}", rid)
+        raise ProtocolError(f"unknown fields {_short(sorted(unknown))}", rid)
     return Generate(rid, ids, params, room)
 
 
@@ -77,6 +128,15 @@ def _abort(obj: dict[str, Any], rid: str | None) -> Abort:
     if not rid:
         raise ProtocolError("abort needs a string rid")
     return Abort(rid)
+
+
+_PARSERS = {"generate": _generate, "abort": _abort, "stats": lambda o, rid: Stats(rid)}
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr() for an error message, cut so a hostile value cannot bloat the reply."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def done_reply(rid: str, first_token: int, prompt_tokens: int, cached_tokens: int) -> bytes:
@@ -97,3 +157,14 @@ def error_reply(rid: str | None, error: str) -> bytes:
 
 def _dump(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def bind_server_socket(ctx: zmq.Context, host: str, port: int) -> zmq.Socket:
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be queued raises
+    sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
+    sock.setsockopt(zmq.RCVHWM, REQUEST_HWM)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+    sock.bind(f"tcp://{host}:{port}")
+    return sock

@@ -1,18 +1,22 @@
-"""`mpprefill serve`: the prefill scheduler behind a ZeroMQ ROUTER, with its worker."""
+"""`mpprefill serve`: the prefill scheduler behind a ZeroMQ ROUTER, with its worker.
+
+Socket limits and frame sizes: protocol.py; signals: server_signals.py. A request the
+decode side never answers is failed after --bootstrap-timeout (`_watch_transfers`), so
+every request gets exactly one reply.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
 import time
 
 import zmq
 
-import ipc
-from mpprefill import protocol
+from mpprefill import protocol, server_signals
 from mpprefill.config import ServerArgs
+from mpprefill.disagg.transfer_sender import TransferSender
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
@@ -21,12 +25,17 @@ from mpprefill.worker.base import WorkerDied
 from mpprefill.worker.factory import make_worker
 
 logger = logging.getLogger(__name__)
-MAX_FRAMES_PER_POLL = 256
+MAX_FRAMES_PER_POLL = protocol.REQUEST_HWM
+WATCH_EVERY_S = 0.5
+DROP_LOG_EVERY = 1000  # past the first few, one log line per this many drops or bad frames
 
 
 class PrefillServer:
     def __init__(self, args: ServerArgs):
         self.args, self.mode = args, args.resolved_forward_mode
+        self._stop = False
+        self.worker = None
+        server_signals.install(self._on_signal, lambda: self.worker)
         if args.trace_dir:
             set_tracer(Tracer("scheduler", enabled=True))
         self.worker, model_config = make_worker(args, self.mode)
@@ -37,61 +46,85 @@ class PrefillServer:
         self.scheduler.recv_requests = self._recv
         self.scheduler.wait_for_requests = self._wait
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
-        self.sock.bind(f"tcp://{args.host}:{args.port}")
+        self.sock = protocol.bind_server_socket(self.ctx, args.host, args.port)
         if args.record_batches:
             self.scheduler.metrics.batch_shapes = []
-        self._owner: dict[str, bytes] = {}
-        self._stop = False
+        self._owner: dict[str, bytes] = {}  # rid -> client identity, until replied
+        self._arriving: dict[str, Req] = {}  # admitted by this _recv, not yet ingested
+        self.replies_dropped = self.bad_frames = 0
+        self._closing: str | None = None  # once set, every new request gets it as its error
+        self._transfer_since: dict[str, float] = {}  # rid -> first seen transferring
+        self._next_watch = 0.0
         self.exit_code = 0
 
     # ---- socket side ---------------------------------------------------------------------
 
     def _recv(self) -> list[Req]:
-        reqs = []
-        for _ in range(MAX_FRAMES_PER_POLL):
-            try:
-                parts = self.sock.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if len(parts) != 2:
-                logger.warning("dropping a message of %d parts", len(parts))
-                continue
-            req = self._handle(parts[0], parts[1])
-            if req is not None:
-                reqs.append(req)
+        self._watch_transfers()
+        self._read_frames(MAX_FRAMES_PER_POLL)
+        reqs, self._arriving = list(self._arriving.values()), {}
         return reqs
 
-    def _handle(self, ident: bytes, frame: bytes) -> Req | None:
-        try:
-            msg = protocol.parse_frame(frame)
-        except protocol.ProtocolError as e:
-            logger.info("bad frame: %s", e)
-            self._send(ident, protocol.error_reply(e.rid, str(e)))
-            return None
-        if isinstance(msg, protocol.Stats):
-            self._send(ident, json.dumps({"status": "stats", **self.stats()}).encode())
-        elif isinstance(msg, protocol.Abort):
-            if not self.scheduler.abort(msg.rid, "aborted by client"):
-                self._send(ident, protocol.error_reply(msg.rid, "unknown rid"))
-        else:
-            return self._admit(ident, msg)
-        return None
+    def _read_frames(self, limit: int) -> int:
+        for n in range(limit):
+            try:
+                parts = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return n
+            self._on_message(parts[0].bytes, parts[1:])
+        return limit
 
-    def _admit(self, ident: bytes, msg: protocol.Generate) -> Req | None:
+    def _on_message(self, ident: bytes, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 1:
+            head = bytes(frames[0].buffer[: protocol.SNIFF_BYTES]) if frames else b""
+            self._bad(ident, protocol.sniff_rid(head), f"{len(frames)} frames, one expected")
+            return
+        frame = frames[0]
+        data = frame.bytes if len(frame) <= protocol.MAX_FRAME_BYTES else frame.buffer
+        try:
+            msg = protocol.parse_frame(data)
+        except protocol.ProtocolError as e:
+            self._bad(ident, e.rid, str(e))
+            return
+        self._handle(ident, msg)
+
+    def _bad(self, ident: bytes, rid: str | None, why: str) -> None:
+        """An error reply; logged, though past the first 100 only one in DROP_LOG_EVERY."""
+        self.bad_frames += 1
+        if self.bad_frames <= 100 or self.bad_frames % DROP_LOG_EVERY == 0:
+            logger.info("bad frame (%d so far): %s", self.bad_frames, why)
+        self._send(ident, protocol.error_reply(rid, why))
+
+    def _handle(self, ident: bytes, msg) -> None:
+        if isinstance(msg, protocol.Stats):
+            rid = {"rid": msg.rid} if msg.rid is not None else {}
+            self._send(ident, json.dumps({**rid, "status": "stats", **self.stats()}).encode())
+        elif isinstance(msg, protocol.Abort):
+            self._abort(ident, msg.rid)
+        else:
+            self._admit(ident, msg)
+
+    def _abort(self, ident: bytes, rid: str) -> None:
+        req = self._arriving.pop(rid, None)
+        if req is not None:  # arrived in this same poll: never reached the scheduler
+            req.error = "aborted by client"
+            self._reply(req)
+        elif not self.scheduler.abort(rid, "aborted by client"):
+            self._send(ident, protocol.error_reply(rid, "unknown rid"))
+
+    def _admit(self, ident: bytes, msg: protocol.Generate) -> None:
         s = self.scheduler
-        if msg.rid in s.live or msg.rid in self._owner:
-            self._send(
-                ident, protocol.error_reply(msg.rid, "duplicate rid while the first is live")
-            )
-            return None
-        if len(s.live) + len(s.incoming) >= self.args.max_queued_requests:
+        if self._closing is not None:
+            self._send(ident, protocol.error_reply(msg.rid, self._closing))
+        elif msg.rid in s.live or msg.rid in self._owner:
+            error = "duplicate rid while the first is live"
+            self._send(ident, protocol.error_reply(msg.rid, error))
+        elif len(s.live) + len(s.incoming) + len(self._arriving) >= self.args.max_queued_requests:
             self._send(ident, protocol.error_reply(msg.rid, "overloaded"))
-            return None
-        self._owner[msg.rid] = ident
-        return Req(msg.rid, msg.input_ids, msg.sampling_params, msg.bootstrap_room)
+        else:
+            self._owner[msg.rid] = ident
+            req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.bootstrap_room)
+            self._arriving[msg.rid] = req
 
     def _reply(self, req: Req) -> None:
         ident = self._owner.pop(req.rid, None)
@@ -108,8 +141,27 @@ class PrefillServer:
     def _send(self, ident: bytes, payload: bytes) -> None:
         try:
             self.sock.send_multipart([ident, payload], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # peer gone or its queue full: the reply is dropped
-            logger.warning("could not reply to a client: %s", e)
+        except zmq.ZMQError as e:  # peer gone (EHOSTUNREACH) or not reading (EAGAIN)
+            self.replies_dropped += 1
+            if self.replies_dropped % DROP_LOG_EVERY == 1:
+                n = self.replies_dropped
+                logger.warning("dropped a reply to a client (%s); %d so far", e.strerror, n)
+
+    def _watch_transfers(self) -> None:
+        """Fail a transfer the decode side has not answered within --bootstrap-timeout.
+
+        NOTE: a decode receiver that restarts loses the rooms it held; their senders
+        would wait for an ack forever.
+        """
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch, limit, seen = now + WATCH_EVERY_S, self.args.bootstrap_timeout, {}
+        for req in self.scheduler.inflight_queue:
+            since = seen[req.rid] = self._transfer_since.get(req.rid, now)
+            if now - since > limit and isinstance(req.sender, TransferSender):
+                req.sender.abort(f"no answer from the decode side within {limit:.1f}s")
+        self._transfer_since = seen
 
     def _wait(self, timeout: float) -> None:
         self.sock.poll(max(1, int(timeout * 1000)))
@@ -130,7 +182,11 @@ class PrefillServer:
                 "cached_tokens": s.tree.total_size(),
             },
             "req_slots": {"free": s.req_pool.available_size(), "total": s.req_pool.size},
-            "counters": s.metrics.to_dict(),
+            "counters": {
+                **s.metrics.to_dict(),
+                "replies_dropped": self.replies_dropped,
+                "bad_frames": self.bad_frames,
+            },
             "invariants": self._check_invariants(),
         }
 
@@ -150,7 +206,6 @@ class PrefillServer:
     # ---- lifecycle -----------------------------------------------------------------------
 
     def serve_forever(self) -> int:
-        self._install_signals()
         logger.info(
             "prefill server on %s:%d, forward mode %s, transfer %s",
             self.args.host,
@@ -158,34 +213,45 @@ class PrefillServer:
             self.mode,
             self.transfer.name,
         )
+        reason = "server shutting down"
         try:
             LOOPS[self.mode](self.scheduler, lambda: self._stop)
         except WorkerDied as e:
             logger.error("forward worker failed: %s", e)
-            self.scheduler.fail_all(f"worker failure: {e}")
-            self.exit_code = 1
-        else:
-            self.scheduler.fail_all("server shutting down")
+            reason, self.exit_code = f"worker failure: {e}", 1
+        except Exception:
+            logger.exception("the scheduler loop failed")
+            reason, self.exit_code = "internal server error", 1
         finally:
-            self.close()
+            try:
+                self._answer_all(reason)
+            finally:
+                self.close()
         return self.exit_code
 
-    def _install_signals(self) -> None:
-        def on_signal(signum, frame):
-            if self._stop:  # second signal: leave now, still unlinking
-                self.worker.close()
-                ipc.unlink_owned()
-                os._exit(1)
-            logger.info("signal %d: shutting down", signum)
-            self._stop = True
+    def _answer_all(self, reason: str, max_frames: int = 1 << 16) -> None:
+        """Every request live or already sent to the socket gets `reason` as its error.
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, on_signal)
+        NOTE: frames still in kernel buffers reach the ZeroMQ queue in pieces of
+        REQUEST_HWM; a short quiet poll tells "drained" from "not yet refilled".
+        """
+        self._closing = reason
+        while max_frames > 0:
+            n = self._read_frames(MAX_FRAMES_PER_POLL)
+            if n == 0 and not self.sock.poll(50):
+                break
+            max_frames -= max(n, 1)
+        self.scheduler.fail_all(reason)
+
+    def _on_signal(self, signum: int) -> None:
+        logger.info("signal %d: shutting down", signum)
+        self._stop = True
 
     def close(self) -> None:
         t0 = time.monotonic()
         if self.args.trace_dir:
-            get_tracer().dump(_trace_dir(self.args.trace_dir))
+            os.makedirs(self.args.trace_dir, exist_ok=True)
+            get_tracer().dump(self.args.trace_dir)
         if self.args.record_batches:
             with open(self.args.record_batches, "w") as f:
                 json.dump(self.scheduler.metrics.batch_shapes, f)
@@ -206,11 +272,6 @@ def _make_transfer(args: ServerArgs, kv):
         args.decode_address,
         bootstrap_timeout=args.bootstrap_timeout,
     )
-
-
-def _trace_dir(path: str) -> str:
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 def run_serve(args: ServerArgs) -> int:

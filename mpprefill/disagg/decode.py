@@ -20,9 +20,11 @@ import zmq
 from mpprefill.disagg import protocol as P
 from mpprefill.disagg.backends import make_decode_pool
 from mpprefill.disagg.decode_args import DecodeArgs, add_decode_args, main, run_decode  # noqa: F401 - re-exported
+from mpprefill.disagg.decode_delay import DeliveryDelay
+from mpprefill.disagg.decode_verify import compare_kv, reference_kv  # noqa: F401 - re-exported
 from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ForwardBatch, ModelConfig, load_model
+from mpprefill.model import ModelConfig, load_model
 from mpprefill.model.loader import read_config
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class DecodeReceiver:
         self.draining: dict[int, tuple[torch.Tensor, float]] = {}
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kv-verify")
         self._checks: list[tuple[Room, int, Future]] = []
+        self.delay = DeliveryDelay(args.test_transfer_delay_ms, args.test_transfer_delay_every)
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
@@ -89,7 +92,7 @@ class DecodeReceiver:
 
     def serve_forever(self) -> None:
         while not self._stop.is_set():
-            self.step(10 if self._checks else 100)
+            self.step(10 if self._checks or self.delay.pending else 100)
 
     def step(self, timeout_ms: int) -> None:
         if self.sock.poll(timeout_ms):
@@ -100,7 +103,8 @@ class DecodeReceiver:
                     break
                 self._on_frames(frames)
         self._collect_checks()
-        self._expire(time.monotonic())
+        self.delay.run_due(now := time.monotonic())
+        self._expire(now)
 
     def stop(self) -> None:
         """Ask `serve_forever` to return (safe from a signal handler)."""
@@ -226,7 +230,12 @@ class DecodeReceiver:
 
     # ---- room endings --------------------------------------------------------------------
 
-    def _deliver(self, room: Room, first_token: int, verified, max_abs_err) -> None:
+    def _deliver(self, room: Room, first_token: int, verified, max_abs_err, held=False) -> None:
+        again = lambda: self._deliver(room, first_token, verified, max_abs_err, True)  # noqa: E731
+        if self.rooms.get(room.room) is not room or (
+            not held and self.delay.hold(room.room, again)
+        ):
+            return  # ended while held, or held now (test-only --test-transfer-delay-ms)
         if room.peer is not None:
             self._send(room.peer, P.Ack(room.room, True))
         reply = P.RouterReply(room.rid, "done", first_token, verified, max_abs_err)
@@ -266,12 +275,8 @@ class DecodeReceiver:
         return self.pool.kv.gather(slots)
 
     def _compare(self, room: Room, received: torch.Tensor) -> tuple[bool, float]:
-        expected = reference_kv(self.model, room.input_ids, self.args.page_size)
-        p = room.prefix_len
-        got, want = received[:, :, p:].float(), expected[:, :, p:].float()
-        err = float((got - want).abs().max()) if got.numel() else 0.0
-        atol = 1e-4 if expected.dtype == torch.float32 else 2e-2
-        return bool(torch.allclose(got, want, rtol=atol, atol=atol)), err
+        args = (self.model, room.input_ids, self.args.page_size, room.prefix_len, received)
+        return compare_kv(*args)
 
     def _collect_checks(self) -> None:
         done = [c for c in self._checks if c[2].done()]
@@ -285,14 +290,6 @@ class DecodeReceiver:
                 logger.exception("verification of room %d failed", room.room)
                 verified, err = False, None
             self._deliver(room, first_token, verified, err)
-
-
-def reference_kv(model, input_ids: list[int], page_size: int) -> torch.Tensor:
-    """KV of one dense prefill of the whole prompt: [2, L, len(input_ids), H, D]."""
-    n = len(input_ids)
-    kv = KVCache.for_model(model.config, cdiv(n, page_size) * page_size)
-    model(ForwardBatch.build([input_ids], [0], [list(range(n))]), kv)
-    return kv.buffer[:, :, :n]
 
 
 if __name__ == "__main__":

@@ -29,12 +29,18 @@ class DecodeArgs:
     disaggregation_transfer_backend: str = _f("shm", "how KV arrives", choices=DECODE_BACKENDS)
     register_timeout: float = _f(30.0, "seconds a registration may wait for free pages")
     log_level: str = _f("info", "logging level")
+    test_transfer_delay_ms: float = _f(
+        0.0, "test only: hold each finished transfer's answer this long (see decode_delay.py)"
+    )
+    test_transfer_delay_every: int = _f(1, "test only: delay rooms whose number is a multiple")
 
     def __post_init__(self):
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
             raise ValueError("--max-total-tokens must hold at least one page of --page-size")
         if self.disaggregation_transfer_backend not in DECODE_BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend: one of {DECODE_BACKENDS}")
+        if self.test_transfer_delay_ms < 0 or self.test_transfer_delay_every < 1:
+            raise ValueError("--test-transfer-delay-ms must be >= 0, --...-every >= 1")
 
     @classmethod
     def from_namespace(cls, ns) -> DecodeArgs:

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Chaos run: `mpprefill serve` + `mpprefill decode` (shm) under load, with faults injected.
+
+Faults, all seeded: aborts aimed at each stage (waiting, bootstrapping, mid-chunk,
+transfer), malformed and hostile frames, the decode receiver SIGKILLed and restarted,
+slow transfers (the decode's test-only `--test-transfer-delay-ms`), a burst that overfills
+the small KV pool and the request queue, and near the end a SIGKILL of the forward process.
+
+It then checks: every request got exactly one reply; every done reply's first token is the
+offline normal-mode engine's; every error is explained by a fault; DESIGN.md's invariants
+hold after the drain before the worker kill; no shared segment and no ipc:// socket file of
+the run is left. Exit status 0 only if every check passes.
+
+    python scripts/chaos.py --duration 60 --num-requests 1000 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from chaos_phases import ChaosRun
+
+from mpprefill.config import FORWARD_MODES
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of load (planned)")
+    ap.add_argument("--num-requests", type=int, default=1000, help="generate requests sent")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--forward-mode", default="proc-ahead", choices=FORWARD_MODES)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--chunked-prefill-size", type=int, default=64)
+    ap.add_argument("--max-total-tokens", type=int, default=2048, help="prefill KV pool")
+    ap.add_argument("--max-queued-requests", type=int, default=128)
+    ap.add_argument("--window", type=int, default=48, help="outstanding requests outside bursts")
+    ap.add_argument("--abort-p", type=float, default=0.08, help="requests that get an abort")
+    ap.add_argument("--slow-p", type=float, default=0.05, help="requests with a slow transfer")
+    ap.add_argument("--slow-ms", type=float, default=1500.0, help="how slow a slow transfer is")
+    ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--log-dir", help="server and decode logs (default: a temp dir)")
+    return ap.parse_args(argv)
+
+
+def report(s: dict) -> None:
+    print(
+        f"chaos: mode={s['mode']} seed={s['seed']} total={s['wall_s']:.1f}s "
+        f"requests={s['requests']} hostile={s['hostile']['sent']}"
+    )
+    print("phases (s): " + _fmt(s["phases_s"]))
+    print("faults injected: " + _fmt(s["faults"]))
+    print("hostile frames by kind: " + _fmt(s["hostile"]["sent_by_kind"]))
+    print("replies: " + _fmt(s["replies"]["counts"]))
+    print("errors explained by: " + _fmt(s["replies"]["explained"]))
+    print(
+        f"tokens: {s['tokens']['checked']} done replies checked against "
+        f"{s['tokens']['prompts']} offline prompts, near ties {s['tokens']['near_ties']}"
+    )
+    print(f"invariants after drain: {s['invariants']}")
+    print(f"server counters at the drain: {s['server_counters']}")
+    print(f"exits: {s['exits']}")
+    print(f"leaks: {s['leaks']}")
+    for name, ok in s["checks"].items():
+        print(f"  [{'ok' if ok else 'FAIL'}] {name}")
+    for line in s["problems"][:20]:
+        print(f"  problem: {line}")
+    print("chaos: " + ("PASS" if s["ok"] else "FAIL"))
+
+
+def _fmt(d: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(d.items())) or "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="mpp-chaos-")
+    os.makedirs(log_dir, exist_ok=True)
+    run = ChaosRun(args, log_dir)
+    try:
+        summary = run.run()
+    finally:
+        run.cleanup()
+    report(summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+    print(f"logs: {log_dir}")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""The chaos run's phases: start, load with faults, drain and check, worker kill, stop."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import random
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections import Counter, deque
+
+import chaos_procs as procs
+from chaos_check import Faults, summarize
+from chaos_load import SLOW_EVERY, Record, Workload, hostile_frames
+from chaos_router import Router
+
+import ipc
+
+FINAL_REQUESTS = 24
+
+
+class Events:
+    """A heap of (time, action) run in time order."""
+
+    def __init__(self):
+        self._heap: list = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def run_due(self, now: float) -> None:
+        while self._heap and self._heap[0][0] <= now:
+            _, _, fn, args = heapq.heappop(self._heap)
+            fn(*args)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+class ChaosRun:
+    def __init__(self, args, log_dir: str):
+        self.args, self.log_dir = args, log_dir
+        self.rng = random.Random(args.seed)
+        self.workload = Workload(args.seed, args.max_total_tokens)
+        self.faults = Faults(args.max_queued_requests)
+        self.injected: Counter = Counter()
+        self.events = Events()
+        self.serve = self.decode = self.router = None
+        self.decode_pids: list[int] = []
+        self.worker_pid: int | None = None
+        self.runtime_dir: str | None = None
+        self._restart: threading.Thread | None = None
+        self._last_progress = 0.0
+        self.problems: list[str] = []
+        self.drain_stats: dict = {}
+        self.t0 = self._t_mark = time.monotonic()
+        self.phases: dict[str, float] = {}
+
+    # ---- processes -------------------------------------------------------------------------
+
+    def serve_flags(self) -> list[str]:
+        a = self.args
+        return [
+            *("--forward-mode", a.forward_mode, "--page-size", str(a.page_size)),
+            *("--chunked-prefill-size", str(a.chunked_prefill_size)),
+            *("--max-total-tokens", str(a.max_total_tokens), "--max-running-requests", "16"),
+            *("--max-prefill-tokens", "512", "--max-queued-requests", str(a.max_queued_requests)),
+            *("--disaggregation-transfer-backend", "shm", "--bootstrap-timeout", "8"),
+            *("--decode-address", f"127.0.0.1:{self.decode.port}", "--worker-threads", "1"),
+            *("--check-invariants", "--log-level", "warning"),
+        ]
+
+    def decode_flags(self) -> list[str]:
+        a = self.args
+        return [
+            *("--page-size", str(a.page_size), "--max-total-tokens", "32768"),
+            *("--disaggregation-transfer-backend", "shm", "--log-level", "warning"),
+            *("--test-transfer-delay-ms", str(a.slow_ms)),
+            *("--test-transfer-delay-every", str(SLOW_EVERY)),
+        ]
+
+    def start(self) -> None:
+        self.decode = procs.start_decode(self.decode_flags(), self.log_dir)
+        self.decode_pids.append(self.decode.pid)
+        self.serve = procs.start_serve(self.serve_flags(), self.log_dir)
+        self.worker_pid = procs.worker_pid(self.serve.pid)
+        self.runtime_dir = procs.runtime_dir_of(self.worker_pid) if self.worker_pid else None
+        self.router = Router(self.serve.port, self.decode.port)
+
+    def restart_decode(self) -> None:
+        def work():
+            self.faults.decode_kill = time.monotonic()
+            self.decode.stop(signal.SIGKILL)
+            new = procs.start_decode(self.decode_flags(), self.log_dir, port=self.decode.port)
+            self.decode_pids.append(new.pid)
+            self.decode, self.faults.decode_ready = new, time.monotonic()
+
+        self.injected["decode-kill-restart"] += 1
+        self._restart = threading.Thread(target=work, name="decode-restart", daemon=True)
+        self._restart.start()
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def plan(self) -> tuple[list[tuple[float, Record]], list[Record]]:
+        """Requests, faults and their times, all from the seed; (timed normal load, final)."""
+        a, w = self.args, self.workload
+        n_burst = min(a.max_queued_requests + 64, max(1, a.num_requests // 3))
+        n_normal = max(0, a.num_requests - n_burst - 3 - FINAL_REQUESTS)
+        normal = [w.request("normal", a.abort_p, a.slow_p) for _ in range(n_normal)]
+        burst = [w.request("burst", a.abort_p) for _ in range(n_burst)]
+        start, d = time.monotonic(), a.duration
+        self.events.at(start + 0.25 * d, self.send_burst, burst)
+        self.events.at(start + 0.5 * d, self.restart_decode)
+        for _ in range(3):
+            self.events.at(start + self.rng.uniform(0, d), self.send, w.request("toolong"))
+        n_bad = max(30, a.num_requests // 25)
+        for h in hostile_frames(self.rng, n_bad):
+            self.events.at(start + self.rng.uniform(0, d), self.send_hostile, h)
+        final = [w.request("final") for _ in range(FINAL_REQUESTS + 1)]
+        times = sorted(self.rng.uniform(0, 0.95 * d) for _ in normal)
+        return list(zip([start + t for t in times], normal)), final
+
+    def send(self, rec: Record) -> None:
+        self.router.send(rec)
+        now = time.monotonic()
+        if rec.register_after > 0:
+            self.injected["late-register"] += 1
+            self.events.at(now + rec.register_after, self.router.register, rec)
+        if rec.abort_stage is not None:
+            self.events.at(now + rec.abort_after, self.abort, rec)
+        if rec.kind == "slow":
+            self.injected["slow-transfer"] += 1
+        if rec.kind == "toolong":
+            self.injected["too-long-prompt"] += 1
+
+    def abort(self, rec: Record) -> None:
+        sent = self.router.abort(rec)
+        self.injected[f"abort/{rec.abort_stage}" if sent else "abort/too-late"] += 1
+
+    def send_burst(self, recs: list[Record]) -> None:
+        self.injected["burst"] += 1
+        self.injected["burst-requests"] += len(recs)
+        for rec in recs:
+            self.send(rec)
+
+    def send_hostile(self, h) -> None:
+        self.injected["bad-frame"] += 1
+        self.router.send_hostile(h)
+
+    def load(self, planned: list[tuple[float, Record]]) -> None:
+        queue = deque(planned)
+        hard_end = time.monotonic() + 3 * self.args.duration + 60
+        while (queue or len(self.events)) and time.monotonic() < hard_end:
+            now = time.monotonic()
+            self.events.run_due(now)
+            while queue and queue[0][0] <= now and self.router.outstanding < self.args.window:
+                self.send(queue.popleft()[1])
+            self.router.poll(5)
+            self.progress()
+        self.injected["not-sent"] += len(queue)
+
+    def pump(self, seconds: float, until=lambda: False) -> bool:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.events.run_due(time.monotonic())
+            self.router.poll(10)
+            self.progress()
+            if until():
+                return True
+        return until()
+
+    def progress(self, force: bool = False) -> None:
+        now = time.monotonic()
+        tty = sys.stderr.isatty()
+        if not force and now - self._last_progress < (1.0 if tty else 5.0):
+            return
+        self._last_progress = now
+        c, r = self.router.counts, self.router
+        line = (
+            f"[chaos {now - self.t0:6.1f}s] sent={c['sent']} done={c['done']} "
+            f"error={c['error']} outstanding={r.outstanding} bad={self.injected['bad-frame']} "
+            f"aborts={sum(v for k, v in self.injected.items() if k.startswith('abort/'))}"
+        )
+        print(("\r" + line) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+
+    # ---- drain, worker kill, stop ---------------------------------------------------------
+
+    def drained(self) -> bool:
+        r = self.router
+        hostile_done = all(h.replies or h.rid is None for h in r.hostile_sent)
+        return r.outstanding == 0 and hostile_done and not len(self.events)
+
+    def describe_stuck(self) -> str:
+        stuck = [r for r in self.router.records.values() if not r.replies]
+        info = [
+            f"{r.rid}/{r.kind}/abort={r.abort_stage}/sent@{r.t_send - self.t0:.1f}s"
+            f"/registered={r.registered}/decode={r.decode_replies}"
+            for r in stuck[:5]
+        ]
+        stats = procs.stats(self.serve.port) or {}
+        return f"not drained: {len(stuck)} unanswered {info}; server queues {stats.get('queues')}"
+
+    def check_invariants(self) -> dict:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stats = procs.stats(self.serve.port)
+            if stats is not None and stats["invariants"].get("checked"):
+                self.drain_stats = stats
+                return stats["invariants"]
+            self.pump(0.2)
+        return {"checked": False, "error": "never drained"}
+
+    def final_phase(self, final: list[Record]) -> None:
+        """A last load; with a forward process, it is SIGKILLed while that load runs."""
+        for rec in final[:-1]:
+            self.send(rec)
+        answered = lambda: all(r.replies for r in final[:-1])  # noqa: E731
+        pid = procs.worker_pid(self.serve.pid)
+        if pid is None:  # the forward runs in the scheduler process: nothing to kill
+            self.pump(60.0, answered)
+            return
+        self.pump(0.3)
+        os.kill(pid, signal.SIGKILL)
+        self.faults.worker_kill = time.monotonic()
+        self.injected["worker-sigkill"] += 1
+        if not self.pump(5.0, answered) and self.serve.alive():
+            self.send(final[-1])  # the worker died while idle: a request makes it notice
+        self.pump(30.0, lambda: answered() and not self.serve.alive())
+
+    def stop(self) -> dict:
+        exits = {}
+        if self.faults.worker_kill is None:
+            exits["serve_sigterm"] = self.serve.stop(signal.SIGTERM)
+        else:
+            try:
+                exits["serve_after_worker_kill"] = self.serve.proc.wait(10)
+            except Exception:
+                exits["serve_after_worker_kill"] = f"still running: {self.serve.stop()}"
+        if self._restart is not None:
+            self._restart.join(120)
+        self.pump(0.5)  # late decode replies
+        exits["decode_sigterm"] = self.decode.stop(signal.SIGTERM)
+        return exits
+
+    def cleanup(self) -> None:
+        for p in (self.serve, self.decode):
+            if p is not None and p.alive():
+                p.stop(signal.SIGKILL)
+        if self.router is not None:
+            self.router.close()
+        if self.serve is not None:
+            ipc.remove_prefix(f"mpp_{self.serve.pid}_")
+        for pid in self.decode_pids:
+            ipc.remove_prefix(f"mppdecode_{pid}_")
+        if self.runtime_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    # ---- the whole run -------------------------------------------------------------------
+
+    def run(self) -> dict:
+        self.start()
+        self.mark("start")
+        planned, final = self.plan()
+        self.load(planned)
+        self.mark("load")
+        if self._restart is not None:
+            self._restart.join(120)
+        if not self.pump(90.0, self.drained):
+            self.problems.append(self.describe_stuck())
+        invariants = self.check_invariants()
+        self.mark("drain")
+        self.final_phase(final)
+        exits = self.stop()
+        self.mark("worker-kill+stop")
+        self.progress(force=True)
+        print(file=sys.stderr)
+        leaks = procs.leftovers(self.serve.pid, self.decode_pids, self.runtime_dir)
+        return summarize(self, invariants, exits, leaks)
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases[phase] = round(now - self._t_mark, 1)
+        self._t_mark = now

@@ -1,0 +1,151 @@
+"""Helpers of the reliability tests: a serve process with a log file, and /proc lookups."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import zmq
+
+import ipc
+from mpprefill.client import Client
+
+RUNTIME_ENV = "MPP_IPC_RUNTIME_DIR"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Serve:
+    """`mpprefill serve` in a subprocess, logging to a file (a pipe could fill and block it)."""
+
+    def __init__(self, *flags: str, command: str = "serve"):
+        self.port = free_port()
+        self.log = tempfile.NamedTemporaryFile(prefix=f"mpp-{command}-", suffix=".log")  # noqa: SIM115
+        env = {k: v for k, v in os.environ.items() if k != RUNTIME_ENV}
+        cmd = [sys.executable, "-m", "mpprefill", command, "--port", str(self.port), *flags]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.runtime_dir: str | None = None  # its ipc:// socket dir, once started
+
+    @classmethod
+    def start(cls, *flags: str, timeout: float = 120.0) -> Serve:
+        s = cls(*flags)
+        client = s.client()
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                assert s.proc.poll() is None, f"serve exited early:\n{s.output()}"
+                try:
+                    client.stats(timeout=1.0)
+                    worker = s.worker_pid()
+                    s.runtime_dir = runtime_dir_of(worker) if worker else None
+                    return s
+                except TimeoutError:
+                    continue
+            raise TimeoutError(f"serve not ready:\n{s.output()}")
+        finally:
+            client.close()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def client(self) -> Client:
+        return Client(f"127.0.0.1:{self.port}", ctx=zmq.Context.instance())
+
+    def output(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-5000:]
+
+    def segments(self) -> list[str]:
+        return ipc.list_segments(f"mpp_{self.pid}_")
+
+    def worker_pid(self) -> int | None:
+        return worker_pid(self.pid)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """Stop it (SIGTERM, then SIGKILL) and remove whatever it left behind."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        ipc.remove_prefix(f"mpp_{self.pid}_")
+        if self.runtime_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        self.log.close()
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def worker_pid(serve_pid: int) -> int | None:
+    """The forward process: the spawned child of serve (not its resource tracker)."""
+    for child in children(serve_pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    return child
+        except OSError:
+            continue
+    return None
+
+
+def runtime_dir_of(pid: int) -> str | None:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = f.read().split(b"\0")
+    key = RUNTIME_ENV.encode() + b"="
+    return next((e[len(key) :].decode() for e in env if e.startswith(key)), None)
+
+
+def pid_gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not ipc.pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1])
+
+
+def dealer(port: int, ctx: zmq.Context | None = None) -> zmq.Socket:
+    sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def recv_json(sock: zmq.Socket, timeout: float) -> dict | None:
+    if not sock.poll(int(timeout * 1000)):
+        return None
+    return json.loads(sock.recv())
