@@ -39,7 +39,7 @@ class PrefillServer:
         if args.trace_dir:
             set_tracer(Tracer("scheduler", enabled=True))
         self.worker, model_config = make_worker(args, self.mode)
-        self.transfer = _make_transfer(args, self.worker.kv_cache)
+        self.transfer = _make_transfer(args, self.worker)
         self.scheduler = Scheduler(
             args, model_config, self.worker, self.transfer, on_finish=self._reply
         )
@@ -257,20 +257,27 @@ class PrefillServer:
                 json.dump(self.scheduler.metrics.batch_shapes, f)
         self.sock.close(linger=1000)
         self.transfer.close()
+        if self.scheduler.host_tier is not None:
+            self.scheduler.host_tier.close()
         self.worker.close()
         self.ctx.term()
         logger.info("server closed in %.2fs", time.monotonic() - t0)
 
 
-def _make_transfer(args: ServerArgs, kv):
+def _make_transfer(args: ServerArgs, worker):
+    """The KV pool is opened only when pages really move (with pinned staging on a GPU this
+    keeps the scheduler free of CUDA); sends wait on the worker's KV write fence."""
     from mpprefill.disagg.backends import make_transfer
 
+    backend = args.disaggregation_transfer_backend
+    kv = worker.kv_cache if backend != "fake" else None
     return make_transfer(
-        args.disaggregation_transfer_backend,
+        backend,
         kv,
         args.page_size,
         args.decode_address,
         bootstrap_timeout=args.bootstrap_timeout,
+        fence=worker.kv_fence,
     )
 
 

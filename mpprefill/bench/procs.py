@@ -43,7 +43,7 @@ class Child:
     def shm_left(self) -> list[str]:
         """Segments of this process still in /dev/shm (its own and its children's)."""
         return ipc.list_segments(f"mpp_{self.proc.pid}_") + ipc.list_segments(
-            f"mppdec_{self.proc.pid}_"
+            f"mppdecode_{self.proc.pid}_"
         )
 
     def log_tail(self, n: int = 30) -> str:

@@ -260,8 +260,8 @@ def decode(frame: bytes) -> Message:
     """Parse and validate one frame; ProtocolError (with rid/room when readable) otherwise."""
     try:
         obj = json.loads(frame)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"frame is not JSON: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ProtocolError(f"frame is not JSON: {type(e).__name__}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("frame is not a JSON object")
     try:
@@ -274,7 +274,7 @@ def _build(obj: dict[str, Any]) -> Message:
     kind = obj.get("type")
     if kind is None and "status" in obj and "rid" in obj:
         cls, schema = RouterReply, _ROUTER_REPLY
-    elif kind in _S:
+    elif isinstance(kind, str) and kind in _S:
         cls, schema = _S[kind]
     else:
         raise ProtocolError(f"unknown message type {kind!r}")

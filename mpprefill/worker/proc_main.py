@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -55,7 +56,10 @@ def worker_main(setup: WorkerSetup, endpoint: str, parent: int) -> None:
         level=setup.args.get("log_level", "info").upper(),
         format="%(asctime)s %(levelname)s worker: %(message)s",
     )
-    ipc.install_signal_cleanup()
+    # NOTE: Ctrl-C reaches the whole process group; the scheduler owns shutdown and stops
+    # this process itself, so SIGINT is ignored here. SIGTERM still cleans up and exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ipc.install_signal_cleanup((signal.SIGTERM,))
     args = ServerArgs(**setup.args)
     set_torch_threads(args.worker_threads)
     if args.trace_dir:
