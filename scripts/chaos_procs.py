@@ -12,9 +12,10 @@ import time
 import zmq
 
 import ipc
-from mpprefill.bench.procs import free_port
-
-RUNTIME_ENV = "MPP_IPC_RUNTIME_DIR"  # where the serve process puts its ipc:// sockets
+from mpprefill.bench.procs import (
+    RUNTIME_ENV,
+    free_port,
+)
 
 
 class Proc:
@@ -87,45 +88,6 @@ def _wait(proc: Proc, probe, timeout: float = 120.0) -> None:
             return
     proc.stop(signal.SIGKILL)
     raise RuntimeError(f"{proc.name} not ready after {timeout:.0f}s:\n{proc.log_tail()}")
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return out
-
-
-def worker_pid(serve_pid: int) -> int | None:
-    """The forward process: the serve process's spawned child (not its resource tracker)."""
-    for child in children(serve_pid):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    return child
-        except FileNotFoundError:
-            continue
-    return None
-
-
-def runtime_dir_of(pid: int) -> str | None:
-    """The ipc:// socket directory a spawned child was given (its environment says)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
-    except FileNotFoundError:
-        return None
-    key = RUNTIME_ENV.encode() + b"="
-    found = [e[len(key) :].decode() for e in env if e.startswith(key)]
-    return found[0] if found else None
 
 
 def leftovers(serve_pid: int, decode_pids: list[int], runtime_dir: str | None) -> dict:

@@ -115,3 +115,47 @@ def _wait_ready(child: Child, probe, timeout: float) -> None:
                 raise RuntimeError(
                     f"{child.name} not ready after {timeout}s:\n{child.log_tail()}"
                 ) from None
+
+
+# ---- /proc inspection: children, the forward process, its ipc directory -------------------
+
+RUNTIME_ENV = "MPP_IPC_RUNTIME_DIR"  # where a serve process keeps its ipc:// sockets
+
+
+def children(pid: int) -> list[int]:
+    """Child pids of every thread of `pid` (empty once it is gone)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return []
+    out = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def worker_pid(serve_pid: int) -> int | None:
+    """The forward process: the serve process's spawned child (not its resource tracker)."""
+    for child in children(serve_pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    return child
+        except OSError:
+            continue
+    return None
+
+
+def runtime_dir_of(pid: int) -> str | None:
+    """The ipc:// socket directory a process was given (its environment says)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    key = RUNTIME_ENV.encode() + b"="
+    return next((e[len(key) :].decode() for e in env if e.startswith(key)), None)

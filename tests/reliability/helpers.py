@@ -15,9 +15,8 @@ import time
 import zmq
 
 import ipc
+from mpprefill.bench.procs import RUNTIME_ENV, runtime_dir_of, worker_pid
 from mpprefill.client import Client
-
-RUNTIME_ENV = "MPP_IPC_RUNTIME_DIR"
 
 
 def free_port() -> int:
@@ -91,36 +90,6 @@ class Serve:
         if self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
         self.log.close()
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    return out
-
-
-def worker_pid(serve_pid: int) -> int | None:
-    """The forward process: the spawned child of serve (not its resource tracker)."""
-    for child in children(serve_pid):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    return child
-        except OSError:
-            continue
-    return None
-
-
-def runtime_dir_of(pid: int) -> str | None:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        env = f.read().split(b"\0")
-    key = RUNTIME_ENV.encode() + b"="
-    return next((e[len(key) :].decode() for e in env if e.startswith(key)), None)
 
 
 def pid_gone(pid: int, timeout: float = 5.0) -> bool:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from mpprefill.bench.procs import worker_pid
 from mpprefill.engine import PrefillEngine
 
 pytestmark = pytest.mark.timeout(240)
@@ -116,11 +117,6 @@ def test_mode_conflict_is_a_clear_startup_error(server_factory):
     assert out.returncode != 0 and "disable-overlap-schedule" in out.stderr
 
 
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
-
-
 def test_worker_death_fails_requests_and_exits_nonzero(server_factory):
     srv = server_factory(
         "--forward-mode",
@@ -134,7 +130,8 @@ def test_worker_death_fails_requests_and_exits_nonzero(server_factory):
     for i, rid in enumerate(sorted(rids)):
         srv.client.generate(rid, [(i * 11 + j) % 4000 + 1 for j in range(300)])
     time.sleep(0.5)
-    (worker,) = [p for p in _children(srv.proc.pid) if _is_spawned_worker(p)]
+    worker = worker_pid(srv.proc.pid)
+    assert worker is not None
     os.kill(worker, signal.SIGKILL)
     replies = srv.client.recv_until(rids, timeout=30)
     rc = srv.proc.wait(30)
@@ -143,8 +140,3 @@ def test_worker_death_fails_requests_and_exits_nonzero(server_factory):
     assert all("worker" in r["error"] for r in errors)
     assert "forward worker failed" in srv.log()
     assert srv.shm_left() == []
-
-
-def _is_spawned_worker(pid: int) -> bool:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return b"spawn_main" in f.read()  # not the resource tracker
