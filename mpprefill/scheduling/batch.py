@@ -6,6 +6,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling import SamplingBatchInfo
 from mpprefill.scheduling.req import Req
@@ -39,3 +41,16 @@ class ScheduleBatch:
 
     def __repr__(self) -> str:
         return f"ScheduleBatch(seq={self.seq}, reqs={len(self.reqs)}, tokens={self.new_tokens})"
+
+
+def build_forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows) -> ForwardBatch:
+    """The model's tensors for one batch: new tokens, their positions and slots, KV rows."""
+    positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=positions,
+        out_cache_loc=out,
+        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64),
+        extend_lens=torch.tensor([s - p for p, s in zip(prefix_lens, seq_lens)], dtype=torch.int64),
+        kv_indices=torch.cat(kv_rows),
+    )

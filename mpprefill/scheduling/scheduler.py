@@ -18,10 +18,10 @@ from mpprefill.disagg.sender import KVPoll
 from mpprefill.memory.allocator import PagedTokenAllocator
 from mpprefill.memory.radix_cache import RadixCache
 from mpprefill.memory.req_to_token import ReqToTokenPool
-from mpprefill.model import ForwardBatch, ModelConfig
+from mpprefill.model import ModelConfig
 from mpprefill.sampling import SamplingBatchInfo
 from mpprefill.scheduling.adder import AddResult, PrefillAdder
-from mpprefill.scheduling.batch import ScheduleBatch
+from mpprefill.scheduling.batch import ScheduleBatch, build_forward_batch
 from mpprefill.scheduling.host_tier import make_host_tier
 from mpprefill.scheduling.metrics import SchedulerMetrics
 from mpprefill.scheduling.processing import ResultProcessing
@@ -201,7 +201,7 @@ class Scheduler(ResultProcessing):
             r.status = ReqStatus.RUNNING
             if r.is_chunked:
                 r.inflight_middle_chunks += 1
-        fb = _forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows)
+        fb = build_forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows)
         self.batch_seq += 1
         first = [r for r in reqs if not r.first_admitted]
         for r in first:
@@ -295,15 +295,3 @@ class Scheduler(ResultProcessing):
         self.step("S", snap.seq)
         self.metrics.add_phase("S", t0, snap.seq)
         return result._replace(next_token_ids=tokens)
-
-
-def _forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows) -> ForwardBatch:
-    positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
-    return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=positions,
-        out_cache_loc=out,
-        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64),
-        extend_lens=torch.tensor([s - p for p, s in zip(prefix_lens, seq_lens)], dtype=torch.int64),
-        kv_indices=torch.cat(kv_rows),
-    )
