@@ -54,8 +54,12 @@ def server_factory():
 
     yield start
     for s in started:
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.wait(10)
+        if s.proc.poll() is None:  # a clean stop removes its socket dir too
+            s.proc.terminate()
+            try:
+                s.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+                s.proc.wait(10)
         ipc.remove_prefix(f"mpp_{s.proc.pid}_")
         time.sleep(0)
