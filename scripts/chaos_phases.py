@@ -19,6 +19,7 @@ from chaos_load import SLOW_EVERY, Record, Workload, hostile_frames
 from chaos_router import Router
 
 import ipc
+from mpprefill.bench.procs import runtime_dir_of, worker_pid
 
 FINAL_REQUESTS = 24
 
@@ -88,8 +89,8 @@ class ChaosRun:
         self.decode = procs.start_decode(self.decode_flags(), self.log_dir)
         self.decode_pids.append(self.decode.pid)
         self.serve = procs.start_serve(self.serve_flags(), self.log_dir)
-        self.worker_pid = procs.worker_pid(self.serve.pid)
-        self.runtime_dir = procs.runtime_dir_of(self.worker_pid) if self.worker_pid else None
+        self.worker_pid = worker_pid(self.serve.pid)
+        self.runtime_dir = runtime_dir_of(self.worker_pid) if self.worker_pid else None
         self.router = Router(self.serve.port, self.decode.port)
 
     def restart_decode(self) -> None:
@@ -220,7 +221,7 @@ class ChaosRun:
         for rec in final[:-1]:
             self.send(rec)
         answered = lambda: all(r.replies for r in final[:-1])  # noqa: E731
-        pid = procs.worker_pid(self.serve.pid)
+        pid = worker_pid(self.serve.pid)
         if pid is None:  # the forward runs in the scheduler process: nothing to kill
             self.pump(60.0, answered)
             return
