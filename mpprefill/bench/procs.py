@@ -23,6 +23,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    """SIGTERM (a clean stop unlinks segments and sockets), SIGKILL if it does not exit."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait(10)
+
+
 @dataclass
 class Child:
     name: str
@@ -32,13 +43,7 @@ class Child:
     extra: dict = field(default_factory=dict)
 
     def stop(self, timeout: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait(10)
+        return terminate(self.proc, timeout)
 
     def shm_left(self) -> list[str]:
         """Segments of this process still in /dev/shm (its own and its children's)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ import torch
 import zmq
 
 import ipc
+from mpprefill.bench.procs import free_port
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache
@@ -22,12 +22,6 @@ from mpprefill.model import ForwardBatch, load_model
 
 PAGE = 16
 PROMPT_LENS = (33, 16, 47, 5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DecodeProc:

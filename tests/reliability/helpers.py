@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,14 +14,8 @@ import time
 import zmq
 
 import ipc
-from mpprefill.bench.procs import RUNTIME_ENV, runtime_dir_of, worker_pid
+from mpprefill.bench.procs import RUNTIME_ENV, free_port, runtime_dir_of, terminate, worker_pid
 from mpprefill.client import Client
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Serve:
@@ -79,13 +72,7 @@ class Serve:
 
     def kill(self) -> None:
         """Stop it (SIGTERM, then SIGKILL) and remove whatever it left behind."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc)
         ipc.remove_prefix(f"mpp_{self.pid}_")
         if self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)

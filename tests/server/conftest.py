@@ -2,21 +2,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 import ipc
+from mpprefill.bench.procs import free_port, terminate
 from mpprefill.client import Client
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProc:
@@ -54,12 +47,5 @@ def server_factory():
 
     yield start
     for s in started:
-        if s.proc.poll() is None:  # a clean stop removes its socket dir too
-            s.proc.terminate()
-            try:
-                s.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
-                s.proc.wait(10)
+        terminate(s.proc)  # a clean stop removes its socket dir too
         ipc.remove_prefix(f"mpp_{s.proc.pid}_")
-        time.sleep(0)
