@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ahead")
 TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
 STAGINGS = ("pinned", "cuda-ipc")  # how a CUDA worker gets its batch inputs
+SWA_PATTERN_HELP = (
+    "which layers slide: 'all', layer ids '0,2,5', or a pattern of s (sliding) and f (full)"
+    " repeated over the layers, e.g. 'sssf'"
+)
 
 
 def _f(default, help: str, **kw):
@@ -25,8 +29,7 @@ class ServerArgs:
         None, "where run_batch runs and how it overlaps", choices=FORWARD_MODES
     )
     disable_overlap_schedule: bool = _f(False, "use the normal loop (no overlap)")
-    disaggregation_mode: str = _f("prefill", "PD role of this server",
-                                  choices=("null", "prefill"))
+    disaggregation_mode: str = _f("prefill", "PD role of this server", choices=("null", "prefill"))
     pp_size: int = _f(1, "pipeline parallel size (only 1 is supported)")
     page_size: int = _f(16, "tokens per KV page")
     chunked_prefill_size: int = _f(512, "max new tokens of one request per batch (-1: off)")
@@ -63,6 +66,13 @@ class ServerArgs:
     disable_batched_staging: bool = _f(
         False, "stage host write-backs one request at a time instead of one copy per batch"
     )
+    sliding_window: int | None = _f(
+        None, "window of the sliding-window layers (overrides the model's; see --swa-layers)"
+    )
+    swa_layers: str | None = _f(None, SWA_PATTERN_HELP + "; default with --sliding-window: all")
+    swa_full_tokens_ratio: float = _f(
+        0.8, "SWA KV pool size as a fraction of --max-total-tokens (sliding-window models)"
+    )
 
     def __post_init__(self):
         if self.forward_mode is not None and self.forward_mode not in FORWARD_MODES:
@@ -82,12 +92,41 @@ class ServerArgs:
             raise ValueError("--host-store-size must be 0 or hold at least one page")
         if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend: one of {TRANSFER_BACKENDS}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"--sliding-window must be positive, got {self.sliding_window}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError("--swa-full-tokens-ratio must be in (0, 1]")
         if self.staging not in STAGINGS:
             raise ValueError(f"--staging: one of {STAGINGS}")
 
     @property
     def num_pages(self) -> int:
         return self.max_total_tokens // self.page_size
+
+    @property
+    def num_swa_pages(self) -> int:
+        """Pages of the SWA pool (used when the model has sliding-window layers)."""
+        return max(1, int(self.num_pages * self.swa_full_tokens_ratio))
+
+    def model_config(self):
+        """The model's config with the sliding-window flags applied, without its weights."""
+        from mpprefill.model import ModelConfig, read_config
+        from mpprefill.model.swa import with_sliding_window
+
+        base = ModelConfig.tiny() if self.model_path is None else read_config(self.model_path)
+        return with_sliding_window(base, self.sliding_window, self.swa_layers)
+
+    def load_model(self, device=None):
+        """The model these args name, on `device` (default: --device)."""
+        from mpprefill.model import load_model
+
+        return load_model(
+            self.model_path,
+            device=self.device if device is None else device,
+            seed=self.random_seed,
+            sliding_window=self.sliding_window,
+            swa_layers=self.swa_layers,
+        )
 
     @property
     def resolved_forward_mode(self) -> str:
@@ -164,8 +203,9 @@ def check_dispatch(mode: str, role: str, pp_size: int) -> None:
     if pp_size != 1:
         raise ValueError(f"--pp-size {pp_size}: pipeline parallelism is not supported")
     if mode not in ("normal", "overlap") and role != "prefill":
-        raise ValueError(f"--forward-mode {mode} runs only with --disaggregation-mode prefill "
-                         f"(got {role!r})")
+        raise ValueError(
+            f"--forward-mode {mode} runs only with --disaggregation-mode prefill (got {role!r})"
+        )
 
 
 def _truthy(v: str | None) -> bool:

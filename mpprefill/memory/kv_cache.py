@@ -1,7 +1,9 @@
-"""KVCache: every layer's K and V for every token slot, in one contiguous tensor."""
+"""KVCache: every layer's K and V for every token slot; sliding-window layers in a pool
+of their own."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +14,14 @@ if TYPE_CHECKING:
 # NOTE: buffer layout [2, num_layers, num_slots, num_kv_heads, head_dim]; index 0 is K, 1 is V.
 # One tensor so the whole pool can be one shared-memory segment. Slots are token-indexed;
 # grouping slots into pages is the allocator's business, not this class's.
+#
+# With sliding-window (SWA) layers the one storage tensor holds two pools back to back:
+#
+#   storage = | buffer     [2, full layers, num_slots,     heads, dim] |
+#             | swa_buffer [2, SWA layers,  num_swa_slots, heads, dim] |
+#
+# A model layer's slots index its own pool: SWA layers take SWA-pool slots (the
+# allocator's `translate`), every other layer the full pool's.
 
 
 class KVCache:
@@ -24,8 +34,19 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         buffer: torch.Tensor | None = None,
+        *,
+        swa_layers: Sequence[int] = (),
+        num_swa_slots: int = 0,
     ) -> None:
-        shape = self.shape(num_layers, num_slots, num_kv_heads, head_dim)
+        self.swa_layers = tuple(sorted(set(swa_layers)))
+        self.full_layers = tuple(i for i in range(num_layers) if i not in self.swa_layers)
+        if any(not 0 <= i < num_layers for i in self.swa_layers):
+            raise ValueError(f"SWA layers {self.swa_layers} out of range for {num_layers}")
+        if self.swa_layers and num_swa_slots <= 0:
+            raise ValueError(f"SWA layers need a positive SWA pool, got {num_swa_slots} slots")
+        shape = self.storage_shape(
+            num_layers, num_slots, num_kv_heads, head_dim, self.swa_layers, num_swa_slots
+        )
         if buffer is None:
             buffer = torch.zeros(shape, dtype=dtype, device=device)
         elif tuple(buffer.shape) != shape or buffer.dtype != dtype:
@@ -34,7 +55,18 @@ class KVCache:
             )
         elif not buffer.is_contiguous():
             raise ValueError("KV buffer must be contiguous")
-        self.buffer = buffer
+        self.storage = buffer
+        self._num_layers = num_layers
+        if not self.swa_layers:
+            self.buffer, self.swa_buffer = buffer, None
+        else:
+            full = (2, len(self.full_layers), num_slots, num_kv_heads, head_dim)
+            n_full = _numel(full)
+            self.buffer = buffer[:n_full].view(full)
+            swa = (2, len(self.swa_layers), num_swa_slots, num_kv_heads, head_dim)
+            self.swa_buffer = buffer[n_full:].view(swa)
+        self._where = {i: (self.buffer, j) for j, i in enumerate(self.full_layers)}
+        self._where.update({i: (self.swa_buffer, j) for j, i in enumerate(self.swa_layers)})
 
     @classmethod
     def for_model(
@@ -43,14 +75,42 @@ class KVCache:
         num_slots: int,
         device: torch.device | str = "cpu",
         buffer: torch.Tensor | None = None,
+        num_swa_slots: int | None = None,
     ) -> KVCache:
+        """The pool of a model; SWA layers get `num_swa_slots` (default: num_slots)."""
         layers, heads, dim = cls.model_dims(config)
-        return cls(layers, num_slots, heads, dim, config.torch_dtype, device, buffer)
+        swa = cls.swa_layers_of(config)
+        n_swa = (num_slots if num_swa_slots is None else num_swa_slots) if swa else 0
+        return cls(
+            layers,
+            num_slots,
+            heads,
+            dim,
+            config.torch_dtype,
+            device,
+            buffer,
+            swa_layers=swa,
+            num_swa_slots=n_swa,
+        )
 
     @staticmethod
     def model_dims(config: ModelConfig) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim) of a model's KV."""
         return config.num_hidden_layers, config.num_key_value_heads, config.head_size
+
+    @staticmethod
+    def swa_layers_of(config: ModelConfig) -> tuple[int, ...]:
+        return tuple(i for i in range(config.num_hidden_layers) if config.is_sliding(i))
+
+    @classmethod
+    def model_storage_shape(
+        cls, config: ModelConfig, num_slots: int, num_swa_slots: int | None = None
+    ) -> tuple[int, ...]:
+        """Shape of the storage tensor `for_model` takes (to allocate it elsewhere)."""
+        layers, heads, dim = cls.model_dims(config)
+        swa = cls.swa_layers_of(config)
+        n_swa = (num_slots if num_swa_slots is None else num_swa_slots) if swa else 0
+        return cls.storage_shape(layers, num_slots, heads, dim, swa, n_swa)
 
     @staticmethod
     def shape(
@@ -61,40 +121,76 @@ class KVCache:
                 raise ValueError(f"KV cache dimensions must be positive, got {n}")
         return (2, num_layers, num_slots, num_kv_heads, head_dim)
 
+    @classmethod
+    def storage_shape(
+        cls,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        swa_layers: Sequence[int] = (),
+        num_swa_slots: int = 0,
+    ) -> tuple[int, ...]:
+        """The 5-D buffer shape without SWA layers; one flat length with them."""
+        full = cls.shape(num_layers, num_slots, num_kv_heads, head_dim)
+        if not swa_layers:
+            return full
+        n_swa = len(swa_layers)
+        swa = cls.shape(n_swa, num_swa_slots, num_kv_heads, head_dim)
+        return (_numel(full) // num_layers * (num_layers - n_swa) + _numel(swa),)
+
     @property
     def num_layers(self) -> int:
-        return self.buffer.shape[1]
+        return self._num_layers
 
     @property
     def num_slots(self) -> int:
         return self.buffer.shape[2]
 
     @property
+    def num_swa_slots(self) -> int:
+        return 0 if self.swa_buffer is None else self.swa_buffer.shape[2]
+
+    @property
     def dtype(self) -> torch.dtype:
-        return self.buffer.dtype
+        return self.storage.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.buffer.device
+        return self.storage.device
 
     @property
     def bytes_per_slot(self) -> int:
-        """Bytes one token occupies across all layers, K and V."""
+        """Bytes one token occupies across all full-attention layers, K and V."""
         _, layers, _, heads, dim = self.buffer.shape
         return 2 * layers * heads * dim * self.buffer.element_size()
 
+    def is_swa(self, layer: int) -> bool:
+        return self._where[layer][0] is self.swa_buffer and self.swa_buffer is not None
+
     def k(self, layer: int) -> torch.Tensor:
-        """View [num_slots, num_kv_heads, head_dim] of one layer's keys."""
-        return self.buffer[0, layer]
+        """View [slots of its pool, num_kv_heads, head_dim] of one layer's keys."""
+        pool, j = self._where[layer]
+        return pool[0, j]
 
     def v(self, layer: int) -> torch.Tensor:
-        return self.buffer[1, layer]
+        pool, j = self._where[layer]
+        return pool[1, j]
 
     def write(self, layer: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [n, num_kv_heads, head_dim] at slots locs [n]."""
+        """Store k, v [n, num_kv_heads, head_dim] at slots locs [n] of the layer's pool."""
         self.k(layer).index_copy_(0, locs, k.to(self.dtype))
         self.v(layer).index_copy_(0, locs, v.to(self.dtype))
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Copy of the given slots for all layers, K and V: [2, num_layers, n, heads, dim]."""
+        if self.swa_buffer is not None:
+            raise ValueError("gather reads one pool; this cache has an SWA pool too")
         return self.buffer.index_select(2, slots)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -3,7 +3,7 @@
 from mpprefill.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from mpprefill.model.forward_batch import ForwardBatch
 from mpprefill.model.llama import LlamaForCausalLM
-from mpprefill.model.loader import load_model
+from mpprefill.model.loader import load_model, read_config
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -11,4 +11,5 @@ __all__ = [
     "LlamaForCausalLM",
     "ModelConfig",
     "load_model",
+    "read_config",
 ]

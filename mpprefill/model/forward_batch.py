@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -15,6 +15,10 @@ import torch
 #   kv_indices                              sum(p_r + e_r)   (p_0 | e_0) | (p_1 | e_1) | ...
 #
 # The new-token part of request r's kv_indices range equals its slice of out_cache_loc.
+#
+# Models with sliding-window layers may also carry swa_out_cache_loc [T] and swa_kv_indices
+# [sum(p_r + e_r)]: the same positions in the SWA pool's slots (-1 where a key has left the
+# window and its SWA page is gone). Empty (the default) means the SWA slots are the full ones.
 
 
 @dataclass(slots=True)
@@ -25,6 +29,18 @@ class ForwardBatch:
     prefix_lens: torch.Tensor
     extend_lens: torch.Tensor
     kv_indices: torch.Tensor
+    swa_out_cache_loc: torch.Tensor = field(default_factory=lambda: _long([], "cpu"))
+    swa_kv_indices: torch.Tensor = field(default_factory=lambda: _long([], "cpu"))
+
+    @property
+    def has_swa_slots(self) -> bool:
+        return len(self.swa_out_cache_loc) > 0
+
+    def swa_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out_cache_loc, kv_indices) of the sliding-window layers' pool."""
+        if self.has_swa_slots:
+            return self.swa_out_cache_loc, self.swa_kv_indices
+        return self.out_cache_loc, self.kv_indices
 
     @property
     def batch_size(self) -> int:
@@ -83,6 +99,12 @@ class ForwardBatch:
         _check(self.prefix_lens.shape[0] == b, "prefix_lens and extend_lens differ in length")
         for name in ("positions", "out_cache_loc"):
             _check(getattr(self, name).shape[0] == t, f"{name} length != len(input_ids) ({t})")
+        if self.has_swa_slots or len(self.swa_kv_indices):
+            _check(self.swa_out_cache_loc.shape[0] == t, "swa_out_cache_loc length != T")
+            _check(
+                self.swa_kv_indices.shape[0] == self.kv_indices.shape[0],
+                "swa_kv_indices length != kv_indices length",
+            )
         _check(b == 0 or int(self.extend_lens.min()) >= 1, "every extend_len must be >= 1")
         _check(b == 0 or int(self.prefix_lens.min()) >= 0, "prefix_lens must be >= 0")
         _check(int(self.extend_lens.sum()) == t, "sum(extend_lens) != number of new tokens")

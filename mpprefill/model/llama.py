@@ -127,12 +127,15 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits [B, vocab] at each request's last new token."""
         x = self.tok_embeddings(fb.input_ids)
         rope = rope_cos_sin(fb.positions, self.config.head_size, self.config.rope_theta)
-        spans = ragged_spans(fb)
-        window = self.config.sliding_window
-        swa_spans = ragged_spans(fb, window) if self.config.has_sliding_layers else spans
+        spans = ragged_spans(fb, fb.kv_indices)
+        swa_locs, swa_spans = fb.out_cache_loc, spans
+        if self.config.has_sliding_layers:
+            swa_locs, swa_indices = fb.swa_slots()
+            swa_spans = ragged_spans(fb, swa_indices, self.config.sliding_window)
         for i, layer in enumerate(self.layers):
-            layer_spans = swa_spans if self.config.is_sliding(i) else spans
-            x = layer(x, rope, kv, fb.out_cache_loc, layer_spans)
+            sliding = self.config.is_sliding(i)
+            locs, layer_spans = (swa_locs, swa_spans) if sliding else (fb.out_cache_loc, spans)
+            x = layer(x, rope, kv, locs, layer_spans)
         x = x[fb.last_token_indices]
         return self.output(self.norm(x)).float()
 
@@ -163,26 +166,37 @@ def attend(q: Tensor, k: Tensor, v: Tensor, span: Span) -> Tensor:
     return out[0].transpose(0, 1)
 
 
-def ragged_spans(fb: ForwardBatch, window: int | None = None) -> list[Span]:
+def ragged_spans(fb: ForwardBatch, kv_indices: Tensor, window: int | None = None) -> list[Span]:
     """Per-request row ranges, KV slots and masks, computed once per forward for all layers
-    (once more for sliding-window layers, with `window`)."""
+    (once more for sliding-window layers, with `window` and their own pool's slots).
+
+    A sliding-window span starts at the first key its first query sees, max(0, p - W + 1):
+    keys before it may already be gone from the SWA pool.
+    """
     spans, row, kv_start = [], 0, 0
     for prefix, extend in zip(fb.prefix_lens.tolist(), fb.extend_lens.tolist(), strict=True):
         kv_end = kv_start + prefix + extend
+        first_key = 0 if window is None else max(0, prefix - window + 1)
         if window is not None and prefix + extend > window:
-            mask = sliding_window_mask(prefix, extend, window, fb.input_ids.device)
+            mask = sliding_window_mask(prefix, extend, window, fb.input_ids.device, first_key)
             causal = False
         else:
             mask = prefix_causal_mask(prefix, extend, fb.input_ids.device)
             causal = prefix == 0 and extend > 1
-        spans.append(Span(slice(row, row + extend), fb.kv_indices[kv_start:kv_end], mask, causal))
+        slots = kv_indices[kv_start + first_key : kv_end]
+        if window is not None and bool((slots < 0).any()):
+            raise RuntimeError("a key inside the sliding window has no SWA slot")
+        spans.append(Span(slice(row, row + extend), slots, mask, causal))
         row, kv_start = row + extend, kv_end
     return spans
 
 
-def sliding_window_mask(prefix: int, extend: int, window: int, device: torch.device) -> Tensor:
-    """Boolean [extend, prefix + extend]: new token at position p sees keys p - window < j <= p."""
-    keys = torch.arange(prefix + extend, device=device)
+def sliding_window_mask(
+    prefix: int, extend: int, window: int, device: torch.device, first_key: int = 0
+) -> Tensor:
+    """Boolean [extend, prefix + extend - first_key]: the new token at position p sees keys
+    p - window < j <= p, of keys first_key, first_key + 1, ..., prefix + extend - 1."""
+    keys = torch.arange(first_key, prefix + extend, device=device)
     queries = torch.arange(prefix, prefix + extend, device=device)[:, None]
     return (keys[None, :] <= queries) & (keys[None, :] > queries - window)
 

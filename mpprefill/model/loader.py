@@ -10,6 +10,7 @@ import torch
 
 from mpprefill.model.config import ModelConfig
 from mpprefill.model.llama import LlamaForCausalLM
+from mpprefill.model.swa import with_sliding_window
 
 logger = logging.getLogger(__name__)
 
@@ -18,14 +19,22 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(
-    model_path: str | None, device: torch.device | str = "cpu", seed: int = 0
+    model_path: str | None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    sliding_window: int | None = None,
+    swa_layers: str | None = None,
 ) -> LlamaForCausalLM:
-    """None: ModelConfig.tiny() with seeded random weights. A path: an HF Llama/Qwen2 checkpoint."""
+    """None: ModelConfig.tiny() with seeded random weights. A path: an HF Llama/Qwen2 checkpoint.
+
+    `sliding_window` / `swa_layers` (the flags) turn layers into sliding-window layers.
+    """
     if model_path is None:
-        model = LlamaForCausalLM(ModelConfig.tiny(), device=device)
+        config = with_sliding_window(ModelConfig.tiny(), sliding_window, swa_layers)
+        model = LlamaForCausalLM(config, device=device)
         model.init_random_weights(seed)
         return model
-    config = read_config(model_path)
+    config = with_sliding_window(read_config(model_path), sliding_window, swa_layers)
     model = LlamaForCausalLM(config, device=device)
     load_hf_weights(model, read_safetensors(model_path))
     logger.info("loaded %s from %s", config.architecture, model_path)

@@ -14,11 +14,11 @@ import torch
 import ipc
 from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ModelConfig, load_model
+from mpprefill.model import ModelConfig
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker.device import DevicePlan, make_stream
 from mpprefill.worker.emulation import late_reads
-from mpprefill.worker.factory import set_torch_threads
+from mpprefill.worker.factory import set_torch_threads, swa_slots
 from mpprefill.worker.messages import Failed, Ready
 from mpprefill.worker.ordering import WorkerOrder, make_events
 from mpprefill.worker.proc_loop import WorkerLoop
@@ -89,13 +89,12 @@ def worker_main(setup: WorkerSetup, endpoint: str, parent: int) -> None:
 def _setup(args: ServerArgs, setup: WorkerSetup, ch: ipc.Channel, parent: int):
     """The loop, the Ready message, and the shared buffers this process owns."""
     plan = setup.plan
-    model = load_model(args.model_path, device=plan.device, seed=args.random_seed)
+    model = args.load_model(plan.device)
     cfg: ModelConfig = model.config
-    num_slots = args.num_pages * args.page_size
-    layers, heads, dim = KVCache.model_dims(cfg)
-    shape = KVCache.shape(layers, num_slots, heads, dim)
+    num_slots, n_swa = args.num_pages * args.page_size, swa_slots(args)
+    shape = KVCache.model_storage_shape(cfg, num_slots, n_swa)
     kv_shared = ipc.SharedTensor.create(shape, cfg.torch_dtype, setup.prefix, plan.device)
-    kv = KVCache.for_model(cfg, num_slots, plan.device, kv_shared.tensor)
+    kv = KVCache.for_model(cfg, num_slots, plan.device, kv_shared.tensor, n_swa)
     result = ipc.SharedBundle(_result_specs(setup.max_reqs, cfg.vocab_size), setup.prefix)
     views = ipc.open_bundle(result.handles)  # NOTE: the mapping that gets page-locked
     slot_handles = setup.slot_handles()

@@ -19,6 +19,7 @@ from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig
 from mpprefill.worker.base import ForwardResult, ForwardSnapshot, Worker, WorkerDied
 from mpprefill.worker.device import DevicePlan
+from mpprefill.worker.factory import swa_slots
 from mpprefill.worker.fence import KVWriteFence
 from mpprefill.worker.messages import Done, Exit, Failed, Ready, Sample, Submit
 from mpprefill.worker.ordering import (
@@ -88,14 +89,11 @@ class ProcessWorker(Worker):
         """The worker's pool, opened on first use (on a GPU this is the scheduler's first
         CUDA call with pinned staging). Read its pages only after `kv_fence`."""
         if self._kv is None:
-            layers, heads, dim = KVCache.model_dims(self.model_config)
-            self._kv = KVCache(
-                layers,
+            self._kv = KVCache.for_model(
+                self.model_config,
                 self.args.num_pages * self.args.page_size,
-                heads,
-                dim,
-                self.model_config.torch_dtype,
                 buffer=ipc.open_handle(self._ready.kv),
+                num_swa_slots=swa_slots(self.args),
             )
         return self._kv
 
@@ -203,4 +201,6 @@ def _specs(args: ServerArgs):
         args.chunked_prefill_size,
         ctx_len if args.chunked_prefill_size == -1 else 0,
     )
-    return staging_specs(max_tokens, args.max_running_requests, args.max_running_requests * ctx_len)
+    max_kv = args.max_running_requests * ctx_len
+    swa = args.model_config().has_sliding_layers
+    return staging_specs(max_tokens, args.max_running_requests, max_kv, swa)

@@ -21,9 +21,12 @@ from mpprefill.worker.device import DevicePlan, HostStream
 from mpprefill.worker.ordering import NUM_SLOTS, SchedulerOrder
 
 FB_FIELDS = ("input_ids", "positions", "out_cache_loc", "prefix_lens", "extend_lens", "kv_indices")
+SWA_FIELDS = ("swa_out_cache_loc", "swa_kv_indices")  # only in slots of sliding-window models
 
 
-def staging_specs(max_tokens: int, max_reqs: int, max_kv: int) -> ipc.bundle.Specs:
+def staging_specs(
+    max_tokens: int, max_reqs: int, max_kv: int, swa: bool = False
+) -> ipc.bundle.Specs:
     i64 = torch.int64
     specs = {
         "input_ids": ((max_tokens,), i64),
@@ -33,6 +36,10 @@ def staging_specs(max_tokens: int, max_reqs: int, max_kv: int) -> ipc.bundle.Spe
         "extend_lens": ((max_reqs,), i64),
         "kv_indices": ((max_kv,), i64),
     }
+    if swa:
+        specs.update(
+            {"swa_out_cache_loc": ((max_tokens,), i64), "swa_kv_indices": ((max_kv,), i64)}
+        )
     specs.update({f"s_{k}": v for k, v in SamplingBatchInfo.tensor_specs(max_reqs).items()})
     return specs
 
@@ -94,6 +101,9 @@ def write_slot(
     for name in FB_FIELDS:
         src = getattr(fb, name)
         slot[name][: len(src)].copy_(src, non_blocking=non_blocking)
+    if SWA_FIELDS[0] in slot:
+        for name, src in zip(SWA_FIELDS, fb.swa_slots(), strict=True):
+            slot[name][: len(src)].copy_(src, non_blocking=non_blocking)
     for name, t in sampling.to_tensors().items():
         slot["s_" + name][: len(t)].copy_(t, non_blocking=non_blocking)
     return fb.num_tokens, fb.batch_size, len(fb.kv_indices)
@@ -110,7 +120,9 @@ def read_slot(
     current stream, asynchronous from pinned memory). The flag says whether it copied:
     then the slot's reads end here; otherwise they end with the forward."""
     sizes = {"prefix_lens": num_reqs, "extend_lens": num_reqs, "kv_indices": num_kv}
-    fb = ForwardBatch(**{n: slot[n][: sizes.get(n, num_tokens)] for n in FB_FIELDS})
+    sizes["swa_kv_indices"] = num_kv
+    names = FB_FIELDS + (SWA_FIELDS if SWA_FIELDS[0] in slot else ())
+    fb = ForwardBatch(**{n: slot[n][: sizes.get(n, num_tokens)] for n in names})
     sampling = SamplingBatchInfo.from_tensors(
         {k[2:]: v for k, v in slot.items() if k.startswith("s_")}, batch_size=num_reqs
     )
