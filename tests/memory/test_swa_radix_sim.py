@@ -1,0 +1,59 @@
+"""SwaRadixCache driven at random through the scheduler's steps, checked after each one."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.memory.test_swa_radix_cache import Sim, check_all, put
+
+BASES = [[(g * 31 + i * 7) % 11 for i in range(72)] for g in range(3)]
+prompt_st = st.builds(
+    lambda g, k, tail: (BASES[g][:k] + tail) or [1],
+    st.integers(0, 2),
+    st.sampled_from([0, 5, 16, 31, 32, 48]),
+    st.lists(st.integers(0, 3), max_size=20),
+)
+OPS = ["admit"] * 3 + ["step"] * 4 + ["release"] * 2
+OPS += ["lock", "unlock", "insert", "evict", "evict_swa"]
+op_st = st.tuples(st.sampled_from(OPS), st.integers(0, 64), prompt_st)
+
+
+def apply(sim: Sim, op: str, n: int, prompt: list[int]) -> None:
+    if op == "admit":
+        sim.admit(prompt)
+    elif op == "step" and sim.reqs:
+        req = sim.reqs[n % len(sim.reqs)]
+        if not req.done:
+            sim.step(req)
+    elif op == "release" and sim.reqs:
+        sim.release(sim.reqs[n % len(sim.reqs)])
+    elif op == "unlock" and sim.locks:
+        sim.cache.dec_lock_ref(sim.locks.pop(n % len(sim.locks)))
+    elif op == "lock":
+        sim.locks.append(sim.cache.match_prefix(prompt).last_node)
+        sim.cache.inc_lock_ref(sim.locks[-1])
+    elif op == "insert" and sim.alloc.num_free_pages * sim.page_size > len(prompt):
+        put(sim, prompt)
+    elif op == "evict":
+        sim.cache.evict(n)
+    elif op == "evict_swa":
+        sim.cache.evict_swa(n)
+
+
+@pytest.mark.parametrize(
+    ("page_size", "num_pages", "num_swa_pages", "window", "chunk", "disable"),
+    [(4, 40, 10, 8, 8, False), (1, 96, 24, 5, 7, False), (4, 24, 6, 6, 12, False),
+     (16, 10, 5, 20, 24, False), (4, 40, 10, 8, 8, True)],
+)  # fmt: skip
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(op_st, min_size=20, max_size=60))
+def test_random_operations_keep_invariants(
+    page_size, num_pages, num_swa_pages, window, chunk, disable, ops
+):
+    sim = Sim(page_size, num_pages, num_swa_pages, window, chunk, disable)
+    for op in ops:
+        apply(sim, *op)
+        check_all(sim)
+    sim.drain()
