@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from mpprefill.memory.allocator import PagedTokenAllocator
 from mpprefill.memory.radix_cache import MatchResult, RadixCache
+from mpprefill.scheduling.kv_pools import reclaimable_pages
 from mpprefill.scheduling.req import Req
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class PrefillAdder:
 
     @property
     def rem_pages(self) -> int:
-        free = self.allocator.num_free_pages + self.tree.evictable_size() // self.page_size
+        free = reclaimable_pages(self.tree, self.allocator)
         return free - self.reserved_pages
 
     @property
@@ -108,7 +109,9 @@ class PrefillAdder:
         that runs first may load part of them.
         """
         if self.host is None:
-            return self.tree.match_prefix(req.origin_input_ids), 0
+            # NOTE: matched up to the longest prefix it may use, so that the node it locks
+            # ends there (with sliding-window layers, that prefix's window must be cached)
+            return self.tree.match_prefix(req.origin_input_ids[: self._max_prefix(req)]), 0
         limit = self._max_prefix(req)
         tail = self.allocator.pages_needed(limit, req.prompt_len)  # unchunked: all of it
         tail = 1 if self.rem_chunk is not None else tail

@@ -32,9 +32,17 @@ def check_drained(s: Scheduler, flush: bool = False) -> dict[str, int]:
         free + held == s.allocator.size,
         f"KV pages leaked: free {free} + cached {held} != {s.allocator.size}",
     )
+    swa = getattr(s.allocator, "swa", None)
+    if swa is not None:
+        free, held = swa.available_size(), s.tree.swa_total_size()
+        _expect(
+            free + held == swa.size,
+            f"SWA pages leaked: free {free} + cached {held} != {swa.size}",
+        )
     if flush:
         s.tree.flush()
         _expect(s.allocator.available_size() == s.allocator.size, "KV not free after flush")
+        _expect(swa is None or swa.available_size() == swa.size, "SWA KV not free after flush")
     return {"free_tokens": s.allocator.available_size(), "cached_tokens": s.tree.total_size()}
 
 

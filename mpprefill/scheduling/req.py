@@ -34,6 +34,7 @@ class Req:
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
     cache_protected_len: int = 0
+    swa_evicted_len: int = 0  # SWA KV of positions below this was freed (out of window)
     fill_ids: list[int] = field(default_factory=list)
     extend_input_len: int = 0
     # NOTE: incremented when a non-final chunk is admitted, decremented when its result

@@ -15,14 +15,13 @@ import torch
 
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.sender import KVPoll
-from mpprefill.memory.allocator import PagedTokenAllocator
-from mpprefill.memory.radix_cache import RadixCache
 from mpprefill.memory.req_to_token import ReqToTokenPool
 from mpprefill.model import ModelConfig
 from mpprefill.sampling import SamplingBatchInfo
 from mpprefill.scheduling.adder import AddResult, PrefillAdder
 from mpprefill.scheduling.batch import ScheduleBatch, build_forward_batch
 from mpprefill.scheduling.host_tier import make_host_tier
+from mpprefill.scheduling.kv_pools import add_swa_slots, make_kv_pools, prompt_fits, reclaim
 from mpprefill.scheduling.metrics import SchedulerMetrics
 from mpprefill.scheduling.processing import ResultProcessing
 from mpprefill.scheduling.req import Req, ReqStatus
@@ -47,8 +46,7 @@ class Scheduler(ResultProcessing):
         self.context_len = args.context_length or model_config.max_position_embeddings
         rows = max(2 * args.max_running_requests, 64)
         self.req_pool = ReqToTokenPool(rows, self.context_len)
-        self.allocator = PagedTokenAllocator(args.num_pages, args.page_size)
-        self.tree = RadixCache(self.req_pool, self.allocator, args.page_size)
+        self.allocator, self.tree = make_kv_pools(args, model_config, self.req_pool)
         self.worker, self.transfer = worker, transfer
         worker.early_send_hook = self.early_send_snapshot
         self.on_finish = on_finish or (lambda req: None)
@@ -91,10 +89,9 @@ class Scheduler(ResultProcessing):
             raise ValueError(
                 f"prompt of {len(ids)} tokens exceeds the context length {self.context_len}"
             )
-        if self.allocator.pages_needed(0, len(ids)) > self.allocator.num_pages:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens exceeds the KV pool ({self.allocator.size} tokens)"
-            )
+        too_big = prompt_fits(self.allocator, len(ids), self.args.chunked_prefill_size != -1)
+        if too_big is not None:
+            raise ValueError(too_big)
         if req.rid in self.live:
             raise ValueError(f"duplicate rid {req.rid!r} while the first is live")
 
@@ -202,6 +199,7 @@ class Scheduler(ResultProcessing):
             if r.is_chunked:
                 r.inflight_middle_chunks += 1
         fb = build_forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows)
+        add_swa_slots(self.allocator, fb)
         self.batch_seq += 1
         first = [r for r in reqs if not r.first_admitted]
         for r in first:
@@ -232,8 +230,7 @@ class Scheduler(ResultProcessing):
     def _alloc_extend(self, reqs, prefix_lens, seq_lens) -> torch.Tensor:
         last = [int(r.prefix_indices[-1]) if p else -1 for r, p in zip(reqs, prefix_lens)]
         need = sum(self.allocator.pages_needed(p, s) for p, s in zip(prefix_lens, seq_lens))
-        if need > self.allocator.num_free_pages:
-            self.tree.evict((need - self.allocator.num_free_pages) * self.page_size)
+        reclaim(self.tree, self.allocator, need)
         out = self.allocator.alloc_extend(prefix_lens, seq_lens, last)
         if out is None:
             raise RuntimeError("KV allocation failed although the adder reserved it")

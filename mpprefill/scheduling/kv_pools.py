@@ -1,0 +1,85 @@
+"""The scheduler's KV bookkeeping: allocator and radix cache, with or without an SWA pool.
+
+For models with sliding-window layers the allocator pairs each page with a page of the
+smaller SWA pool (`SwaPagedAllocator`) and the cache tracks the two holdings apart
+(`SwaRadixCache`); these helpers keep that difference out of the scheduler's code.
+"""
+
+from __future__ import annotations
+
+from mpprefill.config import ServerArgs
+from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
+from mpprefill.memory.radix_cache import RadixCache
+from mpprefill.memory.req_to_token import ReqToTokenPool
+from mpprefill.model import ForwardBatch, ModelConfig
+
+
+def make_kv_pools(
+    args: ServerArgs, config: ModelConfig, req_pool: ReqToTokenPool
+) -> tuple[PagedTokenAllocator, RadixCache]:
+    if not config.has_sliding_layers:
+        allocator = PagedTokenAllocator(args.num_pages, args.page_size)
+        return allocator, RadixCache(req_pool, allocator, args.page_size)
+    from mpprefill.memory.swa_allocator import SwaPagedAllocator
+    from mpprefill.memory.swa_radix_cache import SwaRadixCache
+
+    check_swa_args(args, config)
+    allocator = SwaPagedAllocator(args.num_pages, args.page_size, args.num_swa_pages)
+    window = config.sliding_window
+    return allocator, SwaRadixCache(req_pool, allocator, args.page_size, window)
+
+
+def check_swa_args(args: ServerArgs, config: ModelConfig) -> None:
+    """Refuse, at start-up, settings under which a sliding-window model cannot run."""
+    if args.host_store_size:
+        raise ValueError("--host-store-size does not support models with sliding-window layers")
+    ps, window = args.page_size, config.sliding_window
+    chunk = args.chunked_prefill_size
+    if chunk != -1:
+        # a chunk's pages plus the window it attends to, a partial page each side, and the
+        # page a finished prompt keeps beyond its window (SwaRadixCache)
+        need = cdiv(chunk, ps) + cdiv(window, ps) + 3
+        if need > args.num_swa_pages:
+            raise ValueError(
+                f"the SWA pool ({args.num_swa_pages} pages of {ps}) cannot hold a chunk of "
+                f"{chunk} tokens and a window of {window} ({need} pages); raise "
+                "--swa-full-tokens-ratio or --max-total-tokens"
+            )
+
+
+def prompt_fits(allocator: PagedTokenAllocator, prompt_len: int, chunked: bool) -> str | None:
+    """Why a prompt can never get its KV pages (None when it can)."""
+    need = allocator.pages_needed(0, prompt_len)
+    if need > allocator.num_pages:
+        return f"prompt of {prompt_len} tokens exceeds the KV pool ({allocator.size} tokens)"
+    swa = getattr(allocator, "swa", None)
+    if swa is not None and not chunked and need > swa.num_pages:
+        return f"prompt of {prompt_len} tokens exceeds the SWA KV pool ({swa.size} tokens)"
+    return None
+
+
+def reclaimable_pages(tree: RadixCache, allocator: PagedTokenAllocator) -> int:
+    """Pages an allocation could get now, evicting from the cache as needed."""
+    ps = allocator.page_size
+    full = getattr(allocator, "num_free_full_pages", allocator.num_free_pages)
+    free = full + tree.evictable_size() // ps
+    swa = getattr(allocator, "swa", None)
+    if swa is not None:
+        free = min(free, swa.num_free_pages + tree.swa_evictable_size() // ps)
+    return free
+
+
+def reclaim(tree: RadixCache, allocator: PagedTokenAllocator, need: int) -> None:
+    """Evict from the cache until `need` pages can be allocated (as far as it can)."""
+    ps, swa = allocator.page_size, getattr(allocator, "swa", None)
+    if swa is not None and need > swa.num_free_pages:
+        tree.evict_swa((need - swa.num_free_pages) * ps)  # SWA only: the full KV stays
+    if need > allocator.num_free_pages:
+        tree.evict((need - allocator.num_free_pages) * ps)
+
+
+def add_swa_slots(allocator: PagedTokenAllocator, fb: ForwardBatch) -> None:
+    """Fill a batch's SWA-pool slots (-1 for keys whose SWA page left with the window)."""
+    if hasattr(allocator, "translate"):
+        fb.swa_out_cache_loc = allocator.translate(fb.out_cache_loc)
+        fb.swa_kv_indices = allocator.translate(fb.kv_indices, missing=-1)
