@@ -28,6 +28,7 @@ from mpprefill.scheduling.req import Req
 if TYPE_CHECKING:
     from mpprefill.config import ServerArgs
     from mpprefill.worker.base import Worker
+    from mpprefill.worker.fence import KVWriteFence
 
 
 def make_host_tier(
@@ -42,7 +43,8 @@ def make_host_tier(
         return None
     kv = worker.kv_cache
     store = HostKVStore(args.host_store_size, args.page_size, kv)
-    return HostTier(store, tree, allocator, kv, not args.disable_batched_staging, metrics)
+    batched = not args.disable_batched_staging
+    return HostTier(store, tree, allocator, kv, batched, metrics, worker.kv_fence)
 
 
 class StagingPlan(NamedTuple):
@@ -60,8 +62,10 @@ class HostTier:
         kv: KVCache,
         batched_staging: bool = True,
         metrics: SchedulerMetrics | None = None,
+        fence: KVWriteFence | None = None,
     ) -> None:
         self.store, self.tree, self.allocator, self.kv = store, tree, allocator, kv
+        self.fence = fence
         self.page_size = store.page_size
         self.batched_staging = batched_staging
         self.metrics = metrics or SchedulerMetrics()
@@ -93,6 +97,10 @@ class HostTier:
 
     def _load(self, token_ids: Sequence[int], prefix: Tensor, entries: list[HostPage]) -> None:
         slots = self._alloc(len(entries))
+        if self.fence is not None:
+            # NOTE: freed pages can be handed out while the forward in flight still writes
+            # them (a request's duplicate copies); load only once that forward is done
+            self.fence.wait_pages(torch.unique(slots // self.page_size))
         self.store.load(entries, self.kv, slots)
         end = len(prefix) + len(slots)
         present = self.tree.insert(token_ids[:end], torch.cat([prefix, slots]))

@@ -63,8 +63,8 @@ class Worker:
 
     kind = "base"
     early_send_hook: Callable[[ForwardSnapshot], None] | None = None
-    # Readers of the KV pool outside the worker (transfer backend, host store) pass this
-    # first; None where the forward runs in-process and stream order already holds.
+    # Readers and writers of the KV pool outside the worker (transfer backend, host store)
+    # pass this first; None where no forward runs while the scheduler thread works (inline).
     kv_fence: KVWriteFence | None = None
 
     def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ModelConfig, load_model
+from mpprefill.model import ModelConfig
 from mpprefill.worker.base import Worker
 from mpprefill.worker.runner import ForwardRunner
 
@@ -17,10 +17,17 @@ def set_torch_threads(n: int) -> None:
     torch.set_num_threads(n if n > 0 else max(1, os.cpu_count() or 1))
 
 
+def swa_slots(args: ServerArgs) -> int:
+    """Slots of the SWA pool (for models with sliding-window layers)."""
+    return args.num_swa_pages * args.page_size
+
+
 def build_runner(args: ServerArgs, kv_buffer: torch.Tensor | None = None) -> ForwardRunner:
     """Model and KV pool on args.device; the KV pool may live in a given (shared) buffer."""
-    model = load_model(args.model_path, device=args.device, seed=args.random_seed)
-    kv = KVCache.for_model(model.config, args.num_pages * args.page_size, args.device, kv_buffer)
+    model = args.load_model()
+    kv = KVCache.for_model(
+        model.config, args.num_pages * args.page_size, args.device, kv_buffer, swa_slots(args)
+    )
     return ForwardRunner(model, kv)
 
 
@@ -34,5 +41,6 @@ def make_worker(args: ServerArgs, mode: str) -> tuple[Worker, ModelConfig]:
 
     set_torch_threads(args.worker_threads)
     runner = build_runner(args)
-    cls = InlineWorker if mode in ("normal", "overlap") else ThreadWorker
-    return cls(runner), runner.model.config
+    if mode in ("normal", "overlap"):
+        return InlineWorker(runner), runner.model.config
+    return ThreadWorker(runner, args.page_size), runner.model.config

@@ -9,6 +9,7 @@ import time
 import torch
 
 from mpprefill.worker.base import ForwardResult, ForwardSnapshot, Worker, WorkerDied
+from mpprefill.worker.fence import KVWriteFence
 from mpprefill.worker.runner import ForwardRunner
 
 
@@ -53,23 +54,42 @@ class InlineWorker(_LocalWorker):
 
 
 class ThreadWorker(_LocalWorker):
-    """A forward thread with an input and an output queue of capacity one each."""
+    """A forward thread with an input and an output queue of capacity one each.
+
+    With a page size it keeps a KV write fence: the scheduler thread writes KV pages too
+    (host-store loads) while the forward thread runs, and may only touch pages no forward
+    still writes.
+    """
 
     kind = "thread"
 
-    def __init__(self, runner: ForwardRunner):
+    def __init__(self, runner: ForwardRunner, page_size: int | None = None):
         super().__init__(runner)
         self._in: queue.Queue = queue.Queue(maxsize=1)
         self._out: queue.Queue = queue.Queue(maxsize=1)
         self._pending = False
+        self._done_seq, self._done_cv = 0, threading.Condition()
+        if page_size is not None:
+            num_pages = runner.kv.num_slots // page_size
+            self.kv_fence = KVWriteFence(
+                num_pages, page_size, self._wait_written, lambda seq: self._done_seq >= seq
+            )
         self._thread = threading.Thread(target=self._loop, name="forward", daemon=True)
         self._thread.start()
 
     def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:
         if self._pending:
             raise RuntimeError("submit before the previous forward was collected")
+        if self.kv_fence is not None:
+            self.kv_fence.note_writes(snap.seq, snap.forward.out_cache_loc)
         self._in.put_nowait((snap, early_send_prefix))
         self._pending = True
+
+    def _wait_written(self, seq: int) -> None:
+        with self._done_cv:
+            while self._done_seq < seq:
+                if not self._done_cv.wait(0.1) and not self._thread.is_alive():
+                    raise WorkerDied("forward thread exited")
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
         if not self._pending:
@@ -95,6 +115,9 @@ class ThreadWorker(_LocalWorker):
                 result = self._run(*item)
             except BaseException as e:  # handed to the scheduler, which decides
                 result = e
+            with self._done_cv:  # its KV writes are over, failed or not
+                self._done_seq = max(self._done_seq, item[0].seq)
+                self._done_cv.notify_all()
             self._out.put(result)
 
     def close(self) -> None:
