@@ -28,7 +28,7 @@ def forward_bound(
     runner = build_runner(args)
     g = torch.Generator().manual_seed(seed)
     vocab = runner.vocab_size
-    batches = [_batch(p, e, runner.kv.num_slots, vocab, g) for p, e in shapes]  # built untimed
+    batches = [_batch(p, e, runner.kv, vocab, g) for p, e in shapes]  # built untimed
     for fb, sampling in batches[:warmup]:
         runner.forward(fb, sampling)
     _sync(args.device)
@@ -46,15 +46,19 @@ def forward_bound(
     }
 
 
-def _batch(prefix_lens, extend_lens, num_slots, vocab, g) -> tuple:
-    """Random tokens; each request's KV in one contiguous run of slots, as pages mostly are."""
-    ids, slots, base = [], [], 0
+def _batch(prefix_lens, extend_lens, kv, vocab, g) -> tuple:
+    """Random tokens; each request's KV in one contiguous run of slots, as pages mostly are
+    (in the SWA pool too, wrapped around its smaller size)."""
+    ids, slots, base, num_slots = [], [], 0, kv.num_slots
     for p, e in zip(prefix_lens, extend_lens):
         ids.append(torch.randint(1, vocab, (e,), generator=g).tolist())
         base = 0 if base + p + e > num_slots else base
         slots.append(list(range(base, base + p + e)))
         base += p + e
     fb = ForwardBatch.build(ids, prefix_lens, slots)
+    if kv.num_swa_slots:
+        fb.swa_out_cache_loc = fb.out_cache_loc % kv.num_swa_slots
+        fb.swa_kv_indices = fb.kv_indices % kv.num_swa_slots
     info = SamplingBatchInfo.from_params([SamplingParams()] * len(ids), vocab)
     return fb, info
 

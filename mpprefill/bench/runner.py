@@ -51,13 +51,15 @@ class BenchConfig:
             a.random_seed,
             "--device",
             a.device,
+            "--staging",
+            a.staging,
+            "--swa-full-tokens-ratio",
+            a.swa_full_tokens_ratio,
             "--check-invariants",
             "--log-level",
             "warning",
         ]
-        for name in ("model_path", "context_length"):
-            if getattr(a, name) is not None:
-                flags += ["--" + name.replace("_", "-"), getattr(a, name)]
+        flags += _optional(a, "model_path", "context_length", "sliding_window", "swa_layers")
         if a.delay_sampling:
             flags.append("--delay-sampling")
         if a.host_store_size:
@@ -84,11 +86,19 @@ class BenchConfig:
             "--log-level",
             "warning",
         ]
-        if a.model_path:
-            flags += ["--model-path", a.model_path]
+        flags += _optional(a, "model_path", "sliding_window", "swa_layers")
         if self.verify:
             flags.append("--verify")
         return [str(f) for f in flags]
+
+
+def _optional(args, *names: str) -> list:
+    """`--flag value` for each of these fields that is set."""
+    flags = []
+    for name in names:
+        if getattr(args, name) is not None:
+            flags += ["--" + name.replace("_", "-"), getattr(args, name)]
+    return flags
 
 
 def run_mode(cfg: BenchConfig, mode: str, work: Workload, record: str | None = None) -> dict:
@@ -167,6 +177,10 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
         "first_tokens_sha256": first_tokens_sha256(done),
         "t_sched_ms": sched_s / max(batches, 1) * 1e3,
         "t_fwd_ms": fwd_s / max(batches, 1) * 1e3,
+        "phase_ms_per_batch": {
+            p: (c1["phase_s"].get(p, 0.0) - c0["phase_s"].get(p, 0.0)) / max(batches, 1) * 1e3
+            for p in (*SCHED_PHASES, "host-retire")
+        },
         "uncached_tokens": prompt - cached,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
