@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +21,10 @@ from mpprefill.disagg import protocol as P
 from mpprefill.disagg.backends import make_decode_pool
 from mpprefill.disagg.decode_args import DecodeArgs, add_decode_args, main, run_decode  # noqa: F401 - re-exported
 from mpprefill.disagg.decode_delay import DeliveryDelay
-from mpprefill.disagg.decode_verify import compare_kv, reference_kv  # noqa: F401 - re-exported
+from mpprefill.disagg.decode_verify import KVVerifier, compare_kv, reference_kv  # noqa: F401 - re-exported
 from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ModelConfig, load_model
+from mpprefill.model import ModelConfig
 from mpprefill.model.loader import read_config
 
 logger = logging.getLogger(__name__)
@@ -53,15 +53,14 @@ class DecodeReceiver:
         self.layout = P.PoolLayout(
             dtype_name, layers, num_pages * args.page_size, heads, dim, args.page_size
         )
+        self.verifier = KVVerifier(args) if args.verify else None  # first: bad flags leak no pool
         backend = args.disaggregation_transfer_backend
         self.pool = make_decode_pool(backend, self.layout, config.torch_dtype, args.host)
         self._pool_desc = self.pool.describe()
         self.allocator = PagedTokenAllocator(num_pages, args.page_size)
-        self.model = load_model(args.model_path, seed=args.random_seed) if args.verify else None
         self.rooms: dict[int, Room] = {}
         self.pending: deque[tuple[P.Register, bytes, float]] = deque()
         self.draining: dict[int, tuple[torch.Tensor, float]] = {}
-        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kv-verify")
         self._checks: list[tuple[Room, int, Future]] = []
         self.delay = DeliveryDelay(args.test_transfer_delay_ms, args.test_transfer_delay_every)
         self._stop = threading.Event()
@@ -111,7 +110,8 @@ class DecodeReceiver:
         self._stop.set()
 
     def close(self) -> None:
-        self._verifier.shutdown(wait=False, cancel_futures=True)
+        if self.verifier is not None:
+            self.verifier.close()
         for room in list(self.rooms.values()):
             self._send(room.router, P.RouterReply(room.rid, "error", error="decode shut down"))
             if room.peer is not None:
@@ -167,6 +167,8 @@ class DecodeReceiver:
             if pages is None:
                 return
             self.pending.popleft()
+            if self.verifier is not None:
+                self.verifier.poison(self.pool.kv, self.allocator.slots_of(pages))
             r = msg.bootstrap_room
             self.rooms[r] = Room(msg.rid, r, ident, msg.input_ids, pages)
 
@@ -192,10 +194,10 @@ class DecodeReceiver:
             error = f"{msg.num_pages} pages arrived, {expected} expected"
             self._send(ident, P.Ack(msg.room, False, error))
             self._finish(room, P.RouterReply(room.rid, "error", error=error))
-        elif self.model is not None:
+        elif self.verifier is not None:
             room.verifying = True
             received = self._received_kv(room)
-            future = self._verifier.submit(self._compare, room, received)
+            future = self.verifier.submit(room.input_ids, room.prefix_len, received)
             self._checks.append((room, msg.first_token, future))
         else:
             self._deliver(room, msg.first_token, None, None)
@@ -273,10 +275,6 @@ class DecodeReceiver:
         """A copy of the room's received KV [2, L, prompt_len, H, D]."""
         slots = self.allocator.slots_of(room.pages)[: len(room.input_ids)]
         return self.pool.kv.gather(slots)
-
-    def _compare(self, room: Room, received: torch.Tensor) -> tuple[bool, float]:
-        args = (self.model, room.input_ids, self.args.page_size, room.prefix_len, received)
-        return compare_kv(*args)
 
     def _collect_checks(self) -> None:
         done = [c for c in self._checks if c[2].done()]

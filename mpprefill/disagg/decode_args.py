@@ -10,11 +10,18 @@ import threading
 from dataclasses import dataclass, field
 
 import ipc
+from mpprefill.config import ServerArgs
 from mpprefill.disagg.backends import DECODE_BACKENDS
 
 
 def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
+
+
+def _server(name: str, **kw):
+    """The server's flag of that name: same default and help (the verify model's)."""
+    f = ServerArgs.__dataclass_fields__[name]
+    return _f(f.default, f.metadata["help"], **kw)
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,8 @@ class DecodeArgs:
     model_path: str | None = _f(None, "model dir (its dims size the pool; --verify runs it)")
     random_seed: int = _f(0, "seed of the built-in model's weights")
     verify: bool = _f(False, "recompute each prompt's KV and compare it to what arrived")
+    sliding_window: int | None = _server("sliding_window", type=int)
+    swa_layers: str | None = _server("swa_layers")
     disaggregation_transfer_backend: str = _f("shm", "how KV arrives", choices=DECODE_BACKENDS)
     register_timeout: float = _f(30.0, "seconds a registration may wait for free pages")
     log_level: str = _f("info", "logging level")
@@ -41,6 +50,8 @@ class DecodeArgs:
             raise ValueError(f"--disaggregation-transfer-backend: one of {DECODE_BACKENDS}")
         if self.test_transfer_delay_ms < 0 or self.test_transfer_delay_every < 1:
             raise ValueError("--test-transfer-delay-ms must be >= 0, --...-every >= 1")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"--sliding-window must be positive, got {self.sliding_window}")
 
     @classmethod
     def from_namespace(cls, ns) -> DecodeArgs:
@@ -56,7 +67,7 @@ def add_decode_args(ap: argparse.ArgumentParser) -> None:
         if isinstance(f.default, bool):
             ap.add_argument(flag, action="store_true", help=help)
             continue
-        kind = {int: int, float: float}.get(type(f.default), str)
+        kind = f.metadata.get("type") or {int: int, float: float}.get(type(f.default), str)
         ap.add_argument(flag, type=kind, default=f.default, help=help, **_choices(f))
 
 

@@ -1,12 +1,54 @@
-"""The decode receiver's `--verify`: recompute a prompt's KV densely and compare."""
+"""The decode receiver's `--verify`: recompute a prompt's KV densely and compare.
+
+With sliding-window (SWA) layers the prefill sends their KV for the prompt's last window
+only, as whole pages. So SWA layers are compared in that window, and each position before
+the pages sent must still hold the NaN that a room's pages get when allocated (`poison`):
+nothing else of those layers was written.
+
+    position     prefix_len ......... lo ...... L - W ........... L    lo: first page sent
+    full layers  [ compared                                       ]
+    SWA layers   [ NaN                ][ sent   ][ compared       ]
+"""
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
+from mpprefill.disagg.planes import window_first_page
 from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ForwardBatch
+from mpprefill.model import ForwardBatch, ModelConfig, load_model
+
+logger = logging.getLogger(__name__)
+
+
+class KVVerifier:
+    """The verify model, and a helper thread so the receiver's loop keeps answering pings."""
+
+    def __init__(self, args) -> None:
+        """`args`: DecodeArgs (model_path, random_seed, sliding_window, swa_layers, page_size)."""
+        self.model = load_model(
+            args.model_path,
+            seed=args.random_seed,
+            sliding_window=args.sliding_window,
+            swa_layers=args.swa_layers,
+        )
+        self.page_size = args.page_size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-verify")
+
+    def poison(self, kv: KVCache, slots: torch.Tensor) -> None:
+        """Fill fresh receive slots with NaN in every layer: what is never sent stays NaN."""
+        kv.buffer.index_fill_(2, slots.to(kv.device), float("nan"))
+
+    def submit(self, input_ids: list[int], prefix_len: int, received: torch.Tensor) -> Future:
+        args = (self.model, input_ids, self.page_size, prefix_len, received)
+        return self._pool.submit(compare_kv, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def reference_kv(model, input_ids: list[int], page_size: int) -> torch.Tensor:
@@ -14,7 +56,10 @@ def reference_kv(model, input_ids: list[int], page_size: int) -> torch.Tensor:
     n = len(input_ids)
     kv = KVCache.for_model(model.config, cdiv(n, page_size) * page_size)
     model(ForwardBatch.build([input_ids], [0], [list(range(n))]), kv)
-    return kv.buffer[:, :, :n]
+    dense = torch.empty(2, kv.num_layers, n, *kv.buffer.shape[3:], dtype=kv.dtype)
+    for layer in range(kv.num_layers):
+        dense[0, layer], dense[1, layer] = kv.k(layer)[:n], kv.v(layer)[:n]
+    return dense
 
 
 def compare_kv(
@@ -22,7 +67,34 @@ def compare_kv(
 ) -> tuple[bool, float]:
     """(close enough, max abs error) of received KV [2, L, n, H, D] past `prefix_len`."""
     expected = reference_kv(model, input_ids, page_size)
-    got, want = received[:, :, prefix_len:].float(), expected[:, :, prefix_len:].float()
-    err = float((got - want).abs().max()) if got.numel() else 0.0
+    return check_kv(model.config, expected, received, prefix_len, page_size)
+
+
+def check_kv(
+    config: ModelConfig,
+    expected: torch.Tensor,
+    received: torch.Tensor,
+    prefix_len: int,
+    page_size: int,
+) -> tuple[bool, float]:
+    """Full layers past `prefix_len`; SWA layers in the last window, NaN before it."""
+    n, swa = expected.shape[2], list(KVCache.swa_layers_of(config))
+    full = [i for i in range(config.num_hidden_layers) if i not in swa]
     atol = 1e-4 if expected.dtype == torch.float32 else 2e-2
+    ok, err = _close(received[:, full, prefix_len:], expected[:, full, prefix_len:], atol)
+    if swa:
+        window = max(prefix_len, n - config.sliding_window)
+        ok_w, err_w = _close(received[:, swa, window:], expected[:, swa, window:], atol)
+        lo = max(prefix_len, window_first_page(n, config.sliding_window, page_size) * page_size)
+        unsent = bool(received[:, swa, prefix_len:lo].isnan().all())
+        if not unsent:
+            logger.warning("SWA-layer KV before the last window was written")
+        ok, err = ok and ok_w and unsent, max(err, err_w)
+    return ok, err
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, atol: float) -> tuple[bool, float]:
+    """allclose (NaN never is), and the largest finite error."""
+    got, want = got.float(), want.float()
+    err = float((got - want).abs().nan_to_num(0.0).max()) if got.numel() else 0.0
     return bool(torch.allclose(got, want, rtol=atol, atol=atol)), err

@@ -1,7 +1,8 @@
 """mooncake backend: pages move through the Mooncake transfer engine (TCP, P2P handshake).
 
-Both pools are registered with an engine. The decode side describes its pool by session
-id and base address; the prefill thread writes every (K/V, layer, run of pages) chunk.
+Both pools are registered with an engine (the prefill's whole KVCache.storage: its full and
+sliding-window pools). The decode side describes its pool by session id and base address;
+the prefill thread writes every (K/V, layer, run of pages) chunk, addressed per plane.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import socket
 
 import torch
 
+from mpprefill.disagg.planes import PoolPlanes
 from mpprefill.disagg.protocol import PoolLayout
 from mpprefill.disagg.transfer import DEFAULT_DECODE_ADDRESS, TransferBackend
 from mpprefill.memory.kv_cache import KVCache
@@ -103,7 +105,7 @@ class MooncakeTransfer(TransferBackend):
         decode_host = (decode_address or DEFAULT_DECODE_ADDRESS).rsplit(":", 1)[0]
         host = local_host or local_host_for(decode_host)
         self.engine, self.session_id = start_engine(host)
-        _register(self.engine, kv.buffer)
+        _register(self.engine, kv.storage)
         super().__init__(kv, page_size, decode_address, **kw)
 
     def _attach(self, pool: dict) -> tuple[PoolLayout, tuple[str, int, PoolLayout]]:
@@ -115,32 +117,42 @@ class MooncakeTransfer(TransferBackend):
             raise ValueError(f"bad mooncake pool: session {session!r}, base {base!r}")
         return layout, (session, base, layout)
 
-    def _write(self, remote, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+    def _write(self, remote, src_pages: torch.Tensor, dst_pages: torch.Tensor, planes=None):
         session, dst_base, layout = remote
-        src, dst, lens = self._chunks(src_pages, dst_pages, layout, dst_base)
+        src, dst, lens = self._chunks(src_pages, dst_pages, layout, dst_base, planes)
         for i in range(0, len(src), MAX_BATCH_ENTRIES):
             j = i + MAX_BATCH_ENTRIES
             rc = self.engine.batch_transfer_sync_write(session, src[i:j], dst[i:j], lens[i:j])
             if rc != 0:
                 raise RuntimeError(f"batch_transfer_sync_write to {session} returned {rc}")
 
-    def _chunks(self, src_pages, dst_pages, layout: PoolLayout, dst_base: int):
-        """(src addresses, dst addresses, lengths): one chunk per (K/V, layer, page run)."""
-        buf = self.kv.buffer
-        slot_bytes = buf.shape[3] * buf.shape[4] * buf.element_size()
-        page_bytes = self.page_size * slot_bytes
+    def _chunks(
+        self,
+        src_pages,
+        dst_pages,
+        layout: PoolLayout,
+        dst_base: int,
+        planes: PoolPlanes | None = None,
+    ):
+        """(src addresses, dst addresses, lengths): one chunk per (K/V, layer, page run) of
+        `planes` (default: the full-attention pool's)."""
+        planes = planes or self.full_planes
+        view, es = planes.view, planes.view.element_size()
+        page_bytes = view.shape[2] * es
         n = len(src_pages)
         brk = torch.ones(n, dtype=torch.bool)
         brk[1:] = (src_pages.diff() != 1) | (dst_pages.diff() != 1)
         starts = brk.nonzero().flatten()
         runs = torch.diff(starts, append=torch.tensor([n]))
-        plane = torch.arange(2 * self.layout.num_layers, dtype=torch.int64)[:, None]
-        src = buf.data_ptr() + plane * (buf.shape[2] * slot_bytes) + src_pages[starts] * page_bytes
-        dst = dst_base + plane * (layout.num_slots * slot_bytes) + dst_pages[starts] * page_bytes
-        lens = (runs * page_bytes).expand_as(src)
-        return src.flatten().tolist(), dst.flatten().tolist(), lens.flatten().tolist()
+        plane = torch.arange(view.shape[0], dtype=torch.int64)[:, None]
+        src_at = view.data_ptr() + plane * view.stride(0) * es + src_pages[starts] * page_bytes
+        dst_plane_bytes = layout.num_slots * (page_bytes // self.page_size)
+        dst_plane = planes.dst_planes[:, None]
+        dst_at = dst_base + dst_plane * dst_plane_bytes + dst_pages[starts] * page_bytes
+        lens = (runs * page_bytes).expand_as(src_at)
+        return src_at.flatten().tolist(), dst_at.flatten().tolist(), lens.flatten().tolist()
 
     def _release(self) -> None:
         if self.engine is not None:
-            self.engine.unregister_memory(self.kv.buffer.data_ptr())
+            self.engine.unregister_memory(self.kv.storage.data_ptr())
             self.engine = None

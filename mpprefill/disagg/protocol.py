@@ -50,10 +50,12 @@ class PoolLayout:
     page_size: int
 
     @classmethod
-    def of(cls, buffer: Any, page_size: int) -> PoolLayout:
-        """Layout of a KV buffer tensor [2, num_layers, num_slots, heads, head_dim]."""
+    def of(cls, buffer: Any, page_size: int, num_layers: int | None = None) -> PoolLayout:
+        """Layout of a KV buffer [2, layers, num_slots, heads, head_dim]; `num_layers`: the
+        model's, when its SWA layers sit in a pool of their own (KVCache.num_layers)."""
         _, layers, slots, heads, dim = buffer.shape
-        return cls(str(buffer.dtype).removeprefix("torch."), layers, slots, heads, dim, page_size)
+        dtype = str(buffer.dtype).removeprefix("torch.")
+        return cls(dtype, num_layers or layers, slots, heads, dim, page_size)
 
     @property
     def num_pages(self) -> int:

@@ -23,6 +23,8 @@ class KVSender:
     Calls on one sender always come from the scheduler thread, in order:
     `init` once bootstrapped, then `send` for each page range, the last with
     `last=True` (carrying the first token), while `poll` is asked every loop.
+    With sliding-window layers the last send's `state_indices` are the SWA-pool pages of
+    the prompt's last window (planes.window_swa_pages), which pair with its last pages.
     """
 
     def init(self, num_pages: int, aux_index: int | None = None) -> None:

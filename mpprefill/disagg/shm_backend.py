@@ -11,6 +11,7 @@ import logging
 import torch
 
 import ipc
+from mpprefill.disagg.planes import PoolPlanes, flat_index, plane_view
 from mpprefill.disagg.protocol import PoolLayout
 from mpprefill.disagg.transfer import TransferBackend
 from mpprefill.memory.kv_cache import KVCache
@@ -20,18 +21,11 @@ logger = logging.getLogger(__name__)
 DECODE_SHM_TAG = "mppdecode"
 
 
-# NOTE: copies go through a [2 * num_layers, num_pages, page_size * heads * head_dim] view:
-# index_select/index_copy_ over dim 1 of that 3-D view run at memory speed, while the same
-# gather over the page dim of a 6-D [2, L, pages, page, H, D] view is ~15x slower on CPU.
+# NOTE: copies go through [planes, num_pages, page_size * heads * head_dim] views (planes.py):
+# index_select over dim 1 of that 3-D view, and index_copy_ over (plane, page) rows of the
+# destination, run at memory speed, while the same gather over the page dim of a 6-D
+# [2, L, pages, page, H, D] view is ~15x slower on CPU.
 _STAGE_BYTES = 64 << 20  # largest gather staged at once; bigger sends go in parts
-
-
-def plane_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[2, L, slots, H, D] -> [2 * L, num_pages, page_size * H * D] (whole pages only)."""
-    two, layers, slots, heads, dim = buffer.shape
-    pages = slots // page_size
-    planes = buffer.view(two * layers, slots, heads * dim)[:, : pages * page_size]
-    return planes.reshape(two * layers, pages, page_size * heads * dim)
 
 
 def kv_shape(layout: PoolLayout) -> tuple[int, int, int, int, int]:
@@ -62,16 +56,13 @@ class ShmPool:
 
 
 class ShmTransfer(TransferBackend):
-    """Writes pages into the decode's segment: one gather and one scatter per send."""
+    """Writes pages into the decode's segment: one gather and one scatter per pool and send."""
 
     name = "shm"
 
     def __init__(self, kv: KVCache, page_size: int, decode_address: str | None = None, **kw):
         self._handle: ipc.TensorHandle | None = None
         self._remote: torch.Tensor | None = None  # decode pool, plane view
-        self._src = plane_view(kv.buffer, page_size)
-        planes, _, page_numel = self._src.shape
-        self._stage_pages = max(1, _STAGE_BYTES // (planes * page_numel * kv.buffer.element_size()))
         self._stage = torch.empty(0, dtype=kv.dtype, device=kv.device)
         super().__init__(kv, page_size, decode_address, **kw)
 
@@ -86,27 +77,33 @@ class ShmTransfer(TransferBackend):
 
     def _open(self, handle: ipc.TensorHandle, layout: PoolLayout) -> None:
         shape = kv_shape(layout)
+        if layout.num_slots % layout.page_size:
+            raise ValueError(f"decode pool of {layout.num_slots} slots is not whole pages")
         if handle.kind != "shm" or handle.shape != shape or handle.dtype != layout.dtype:
             raise ValueError(f"decode pool handle {handle.shape} {handle.dtype} != layout {shape}")
         self._release()  # a restarted decode side has a new segment
         self._remote = plane_view(ipc.open_handle(handle), layout.page_size)
         self._handle = handle
 
-    def _write(self, remote, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        src_pages = src_pages.to(self._src.device)
-        for i in range(0, len(src_pages), self._stage_pages):
-            j = i + self._stage_pages
-            staged = self._staging(len(src_pages[i:j]))
-            torch.index_select(self._src, 1, src_pages[i:j], out=staged)
-            remote.index_copy_(1, dst_pages[i:j], staged.to(remote.device))
+    def _write(self, remote, src: torch.Tensor, dst: torch.Tensor, planes=None) -> None:
+        planes: PoolPlanes = planes or self.full_planes
+        view = planes.view  # [planes of this prefill pool, its pages, page_numel]
+        n_planes, _, page_numel = view.shape
+        rows = remote.view(-1, page_numel)  # [decode planes * pages, page_numel]
+        step = max(1, _STAGE_BYTES // (n_planes * page_numel * view.element_size()))
+        src = src.to(view.device)
+        for i in range(0, len(src), step):
+            staged = self._staging(n_planes, len(src[i : i + step]), page_numel)
+            torch.index_select(view, 1, src[i : i + step], out=staged)
+            at = flat_index(planes.dst_planes, dst[i : i + step], remote.shape[1])
+            rows.index_copy_(0, at.to(remote.device), staged.view(-1, page_numel).to(rows.device))
 
-    def _staging(self, num_pages: int) -> torch.Tensor:
+    def _staging(self, n_planes: int, num_pages: int, page_numel: int) -> torch.Tensor:
         """A reused buffer: a fresh one per send would page-fault its whole size each time."""
-        planes, _, page_numel = self._src.shape
-        numel = planes * num_pages * page_numel
+        numel = n_planes * num_pages * page_numel
         if self._stage.numel() < numel:
-            self._stage = torch.empty(numel, dtype=self._src.dtype, device=self._src.device)
-        return self._stage[:numel].view(planes, num_pages, page_numel)
+            self._stage = torch.empty(numel, dtype=self._stage.dtype, device=self._stage.device)
+        return self._stage[:numel].view(n_planes, num_pages, page_numel)
 
     def _release(self) -> None:
         if self._handle is not None:

@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from mpprefill.disagg import protocol as P
+from mpprefill.disagg.planes import pool_planes
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.disagg.transfer_sender import TransferCmd, TransferSender, check_range
 from mpprefill.memory.kv_cache import KVCache
@@ -46,7 +47,8 @@ class TransferBackend:
     ) -> None:
         """`fence` (the worker's `kv_fence`, optional): `required(pages)` names the forward a
         send's pages need, on the scheduler thread; `wait(gen)` blocks the transfer thread
-        until it completed, so no page is read while a forward still writes it."""
+        until it completed, so no page is read while a forward still writes it (window
+        pages: see TransferSender._window)."""
         if page_size < 1 or kv.num_slots < page_size:
             raise ValueError(f"bad page size {page_size} for a pool of {kv.num_slots} slots")
         self.kv, self.page_size = kv, page_size
@@ -54,7 +56,8 @@ class TransferBackend:
         self.bootstrap_timeout, self.dead_timeout = bootstrap_timeout, dead_timeout
         self.heartbeat_interval = heartbeat_interval
         self.fence = fence
-        self.layout = P.PoolLayout.of(kv.buffer, page_size)
+        self.layout = P.PoolLayout.of(kv.buffer, page_size, kv.num_layers)
+        self.full_planes, self.swa_planes = pool_planes(kv, page_size)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
@@ -107,8 +110,9 @@ class TransferBackend:
         """
         raise NotImplementedError
 
-    def _write(self, target, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        """Copy source pages to destination pages of `target`, pairwise; raise on failure."""
+    def _write(self, target, src_pages: torch.Tensor, dst_pages: torch.Tensor, planes=None):
+        """Copy source pages to destination pages of `target`, pairwise; raise on failure.
+        `planes` (PoolPlanes) names the prefill pool, default the full-attention one."""
         raise NotImplementedError
 
     def _release(self) -> None:
@@ -167,12 +171,15 @@ class TransferBackend:
         s = cmd.sender
         if self._live.get(s.room) is not s or not s.is_live:
             return
+        window = cmd.swa_src is not None and len(cmd.swa_src) > 0
         try:
-            if len(cmd.src):
+            if len(cmd.src) or window:
                 if after:
                     self.fence.wait(after)  # the forward that wrote these pages completed
                 t0 = clock_ns()
                 self._write(s.target, cmd.src, cmd.dst)
+                if window:
+                    self._write(s.target, cmd.swa_src, cmd.swa_dst, self.swa_planes)
                 tracer = get_tracer()
                 if tracer.enabled:
                     tracer.record("transfer", t0, clock_ns() - t0)

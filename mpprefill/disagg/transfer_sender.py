@@ -29,6 +29,8 @@ class TransferCmd:
     dst: torch.Tensor | None = None
     last: bool = False
     first_token: int | None = None
+    swa_src: torch.Tensor | None = None  # the last window's pages in the prefill SWA pool
+    swa_dst: torch.Tensor | None = None  # ... and in the decode pool
 
 
 class TransferSender(KVSender):
@@ -65,13 +67,43 @@ class TransferSender(KVSender):
         src = torch.as_tensor(page_indices, dtype=torch.int64).flatten().cpu().clone()
         self._check_send(len(src), last, first_token)
         check_range(src, self._backend.layout.num_pages, "source")
+        swa = None if state_indices is None else self._window(state_indices, last)
+        if self.state == KVPoll.Failed:
+            return
         start = self._prefix_pages + self._queued
         dst = self.dst_pages[start : start + len(src)]
         self._queued, self._last_queued = self._queued + len(src), last
         with self._lock:
             if self.state == KVPoll.WaitingForInput:
                 self.state = KVPoll.Transferring
-        self._backend.enqueue(TransferCmd("send", self, src, dst, last, first_token))
+        cmd = TransferCmd("send", self, src, dst, last, first_token)
+        if swa is not None:
+            cmd.swa_src, cmd.swa_dst = swa
+        self._backend.enqueue(cmd)
+
+    def _window(self, state_indices, last: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(SWA source pages, decode pages) of the last window: `state_indices` are the SWA
+        pages of the prompt's last pages, in order, so they pair with the room's last pages.
+        Pages inside the decode's own prefix are skipped, as full pages are.
+
+        NOTE: the KV write fence knows full pages only and needs no entry for these: the
+        last send always carries the page of the prompt's last token, written by the
+        request's final forward; every window page was written by that forward or an
+        earlier one (with its full page), and forwards complete in order."""
+        swa = torch.as_tensor(state_indices, dtype=torch.int64).flatten().cpu().clone()
+        if not last:
+            raise ValueError(f"room {self.room}: window pages go with the last send")
+        if self._backend.swa_planes is None:
+            raise ValueError(f"room {self.room}: window pages but the pool has no SWA layers")
+        first = len(self.dst_pages) - len(swa)
+        if first < 0:
+            raise ValueError(f"room {self.room}: {len(swa)} window pages, more than its pages")
+        if len(swa) and int(swa.min()) < 0:
+            self.abort("a page of the last window has no sliding-window KV")
+            return None
+        skip = max(0, self._prefix_pages - first)
+        check_range(swa, self._backend.swa_planes.num_pages, "SWA source")
+        return swa[skip:], self.dst_pages[first + skip :]
 
     def _check_send(self, n: int, last: bool, first_token: int | None) -> None:
         if self._last_queued:

@@ -6,6 +6,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from mpprefill.disagg.planes import window_swa_pages
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.trace.tracer import clock_ns
@@ -79,7 +80,11 @@ class ResultProcessing:
             return
         req.start_send_idx = end
         first = req.output_ids[0] if last else None
-        req.sender.send(page_indices, last=last, first_token=first)
+        window = None
+        if last and hasattr(self.allocator, "translate"):  # sliding-window layers
+            row = self.req_pool.req_to_token[req.req_pool_idx]
+            window = window_swa_pages(self.allocator, row, end, self.model_config.sliding_window)
+        req.sender.send(page_indices, last=last, first_token=first, state_indices=window)
 
     def maybe_send_cached_prefix_chunk(self, req: Req) -> None:
         """Early send: KV already in the cache goes out before the suffix is computed.

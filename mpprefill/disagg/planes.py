@@ -1,0 +1,84 @@
+"""Which planes of the prefill KV pools land where in the decode's dense pool, and which
+pages of the sliding-window layers are sent at all.
+
+A plane is one (K or V, layer) of a pool, seen as [num_pages, page_size * heads * head_dim].
+The prefill side has one pool, or two with sliding-window (SWA) layers (KVCache.buffer and
+.swa_buffer); the decode pool is dense, every model layer in order (L of them):
+
+    prefill pool   plane          decode plane
+    full           c * F + j      c * L + full_layers[j]      c: 0 for K, 1 for V
+    SWA            c * S + j      c * L + swa_layers[j]
+
+SWA layers only ever send the pages of the prompt's last window (`window_first_page`); the
+scheduler names their SWA pages (`window_swa_pages`) in the last send's `state_indices`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from mpprefill.memory.kv_cache import KVCache
+
+
+def plane_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[2, L, slots, H, D] -> [2 * L, num_pages, page_size * H * D] (whole pages only)."""
+    two, layers, slots, heads, dim = buffer.shape
+    pages = slots // page_size
+    planes = buffer.view(two * layers, slots, heads * dim)[:, : pages * page_size]
+    return planes.reshape(two * layers, pages, page_size * heads * dim)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlanes:
+    """One prefill pool as planes, and each plane's index in the decode pool."""
+
+    view: torch.Tensor  # [planes, num_pages, page_numel]
+    dst_planes: torch.Tensor  # int64 [planes]
+
+    @property
+    def num_pages(self) -> int:
+        return self.view.shape[1]
+
+
+def pool_planes(kv: KVCache, page_size: int) -> tuple[PoolPlanes, PoolPlanes | None]:
+    """(full pool, SWA pool or None) of a prefill KVCache."""
+    full = _planes(kv.buffer, kv.full_layers, kv.num_layers, page_size)
+    if kv.swa_buffer is None:
+        return full, None
+    return full, _planes(kv.swa_buffer, kv.swa_layers, kv.num_layers, page_size)
+
+
+def _planes(buffer: torch.Tensor, layers, num_layers: int, page_size: int) -> PoolPlanes:
+    ids = torch.tensor(layers, dtype=torch.int64)
+    return PoolPlanes(plane_view(buffer, page_size), torch.cat([ids, ids + num_layers]))
+
+
+def flat_index(planes: torch.Tensor, pages: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """Rows of (plane, page) pairs, plane-major, in a [planes * num_pages, page_numel] view."""
+    return (planes[:, None] * num_pages + pages[None, :]).flatten()
+
+
+def window_first_page(prompt_len: int, window: int, page_size: int) -> int:
+    """The first page (prompt order) of the last window [max(0, L - W), L) of a prompt.
+
+    NOTE: the decode's next query, at position L, sees keys L - W < j <= L; the window
+    sent is one position wider, as whole pages, from this page to the prompt's last.
+    """
+    return max(0, prompt_len - window) // page_size
+
+
+def window_swa_pages(allocator, row: torch.Tensor, prompt_len: int, window: int) -> torch.Tensor:
+    """The SWA-pool pages (SwaPagedAllocator) of a prompt's last window, prompt order, -1
+    for a page without SWA KV: the `state_indices` of its last send. `row`: its
+    req_to_token row.
+
+    NOTE: read at the last send: the request's cache lock keeps its last window until
+    its release, so every page here still has its SWA page.
+    """
+    ps = allocator.page_size
+    lo = window_first_page(prompt_len, window, ps) * ps
+    return allocator.translate(row[lo:prompt_len:ps], missing=-1) // ps
