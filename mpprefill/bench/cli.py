@@ -90,7 +90,24 @@ def bench(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
         logger.info("wrote %s", args.json)
-    return 0
+    bad = run_problems(result)
+    for line in bad:
+        logger.error("%s", line)
+    return 1 if bad else 0
+
+
+def run_problems(result: dict) -> list[str]:
+    """Runs that failed requests, leaked, broke an invariant or sent KV the decode side
+    could not verify: the numbers of such a run mean nothing."""
+    runs = [r for res in result.get("sweep", [result]) for r in res["runs"]]
+    out = []
+    for r in runs:
+        what = [f"{r['num_failed']} failed requests"] if r["num_failed"] else []
+        what += [f"{r['num_unverified']} replies failed --verify"] if r["num_unverified"] else []
+        what += [f"leaks/invariants {r['leaks']}"] if not r["leaks"]["ok"] else []
+        if what:
+            out.append(f"{r['mode']}: " + "; ".join(what))
+    return out
 
 
 def _profile_args(ap: argparse.ArgumentParser) -> None:

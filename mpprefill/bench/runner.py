@@ -166,6 +166,7 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
         "num_requests": len(results),
         "num_finished": len(done),
         "num_failed": len(failed),
+        "num_unverified": sum(1 for r in done if r.verified is False),
         "duration_s": duration,
         "ttft_ms": {
             "p50": stats.percentile(ttft, 50) if ttft else 0.0,
