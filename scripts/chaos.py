@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--abort-p", type=float, default=0.08, help="requests that get an abort")
     ap.add_argument("--slow-p", type=float, default=0.05, help="requests with a slow transfer")
     ap.add_argument("--slow-ms", type=float, default=1500.0, help="how slow a slow transfer is")
+    ap.add_argument("--sliding-window", type=int, help="make the model's layers slide")
+    ap.add_argument("--swa-layers", help="which layers slide (as `mpprefill serve`)")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("--log-dir", help="server and decode logs (default: a temp dir)")
     return ap.parse_args(argv)

@@ -117,8 +117,9 @@ def check_hostile(sent: list[Hostile], null_rid_replies: int) -> dict:
     return {"sent_by_kind": dict(kinds), "wrong": wrong}
 
 
-def check_tokens(records: list[Record], page_size: int, chunk: int) -> dict:
-    """Every done reply's first token against the offline normal-mode engine."""
+def check_tokens(records: list[Record], page_size: int, chunk: int, **model_kw) -> dict:
+    """Every done reply's first token against the offline normal-mode engine (`model_kw`:
+    the sliding-window flags the server ran with)."""
     from mpprefill.engine import PrefillEngine
 
     done = [r for r in records if r.replies and r.replies[0].get("status") == "done"]
@@ -126,7 +127,7 @@ def check_tokens(records: list[Record], page_size: int, chunk: int) -> dict:
     ref: dict[tuple, tuple[int, object]] = {}
     chunk = max(chunk, 512)  # first tokens do not depend on it (near ties aside); speed does
     with PrefillEngine(
-        forward_mode="normal", page_size=page_size, chunked_prefill_size=chunk
+        forward_mode="normal", page_size=page_size, chunked_prefill_size=chunk, **model_kw
     ) as eng:
         for i in range(0, len(prompts), 128):
             part = prompts[i : i + 128]
@@ -156,7 +157,8 @@ def summarize(run, invariants: dict, exits: dict, leaks: dict) -> dict:
     replies = check_replies(records, run.faults)
     decode = check_decode(records, run.faults)
     hostile = check_hostile(r.hostile_sent, r.null_rid_replies)
-    tokens = check_tokens(records, a.page_size, a.chunked_prefill_size)
+    swa = dict(sliding_window=a.sliding_window, swa_layers=a.swa_layers)
+    tokens = check_tokens(records, a.page_size, a.chunked_prefill_size, **swa)
     run.mark("reference")
     counts = replies["counts"]
     no_leak = not (leaks["segments"] or leaks["ipc_files"] or leaks["ipc_dir_left"])

@@ -74,6 +74,7 @@ class ChaosRun:
             *("--disaggregation-transfer-backend", "shm", "--bootstrap-timeout", "8"),
             *("--decode-address", f"127.0.0.1:{self.decode.port}", "--worker-threads", "1"),
             *("--check-invariants", "--log-level", "warning"),
+            *swa_flags(a),
         ]
 
     def decode_flags(self) -> list[str]:
@@ -287,3 +288,13 @@ class ChaosRun:
         now = time.monotonic()
         self.phases[phase] = round(now - self._t_mark, 1)
         self._t_mark = now
+
+
+def swa_flags(args) -> list[str]:
+    """The sliding-window flags of a chaos run, for serve and the offline reference."""
+    flags = []
+    if args.sliding_window is not None:
+        flags += ["--sliding-window", str(args.sliding_window)]
+    if args.swa_layers is not None:
+        flags += ["--swa-layers", args.swa_layers]
+    return flags

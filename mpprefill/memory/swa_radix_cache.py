@@ -33,6 +33,7 @@ from mpprefill.memory.swa_allocator import SwaPagedAllocator
 class SwaTreeNode(TreeNode):
     end: int = 0  # position where the key ends; its start is end - len(key)
     tombstone: bool = False  # its pages have no SWA KV
+    swa_cold: bool = False  # left the window of the request that computed it: evict first
     swa_locks: dict[int, int] = field(default_factory=dict, repr=False)  # lock depth -> count
 
     @property
@@ -74,6 +75,7 @@ class SwaRadixCache(RadixCache):
         full = super().match_prefix(token_ids)
         node = last = full.last_node
         while node is not self.root:
+            node.swa_cold = False  # matched: someone else may want it
             if node.tombstone and node.end > max(0, last.end - self.sliding_window):
                 last = node.parent
             node = node.parent
@@ -116,11 +118,12 @@ class SwaRadixCache(RadixCache):
         for their full KV. Returns the number of SWA tokens freed."""
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if self._can_drop_swa(n)]
+        nodes = (n for n in self._nodes() if self._can_drop_swa(n))
+        heap = [(not n.swa_cold, n.last_access, n.id, n) for n in nodes]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
-            freed += self._tombstone(heapq.heappop(heap)[2])
+            freed += self._tombstone(heapq.heappop(heap)[-1])
         return freed
 
     def flush(self) -> None:
@@ -130,13 +133,19 @@ class SwaRadixCache(RadixCache):
     reset = flush
 
     def cache_unfinished_req(self, req: SwaCacheableReq) -> None:
-        """As RadixCache's, then drop the SWA KV its next chunk can no longer see.
+        """As RadixCache's; then the SWA KV its next chunk can no longer see goes first when
+        the SWA pool needs room.
 
         The next chunk's queries start at kv_len, so keys at positions <= kv_len - W are
-        never read again by this request; pages wholly below that, which it computed itself
-        (from cached_tokens on), lose their SWA KV unless another lock needs them.
+        never read again by this request. Pages wholly below that which it computed itself
+        (from cached_tokens on) lose their SWA lock and turn "cold": `evict_swa` takes cold
+        nodes before any other, so a prompt longer than the whole SWA pool runs through it.
+        They are not dropped at once: a later prompt with the same start may match them
+        (which warms them again), and with a shared system prompt the first request to
+        compute it is the one that puts it in the tree. Without a tree nobody can match
+        them, so they are freed at once.
 
-        NOTE: after the final chunk one more page is kept: the same prompt sent again
+        NOTE: after the final chunk one more page is kept warm: the same prompt sent again
         matches at most its page-aligned len - 1 tokens, and that match needs the window
         before it, which starts up to a page earlier.
         """
@@ -152,11 +161,11 @@ class SwaRadixCache(RadixCache):
                 self.allocator.free_swa(row[lo:hi])
                 req.swa_evicted_len = hi
         elif lo < hi:
-            self._drop_window(req.last_node, lo, hi)
+            self._cool_window(req.last_node, lo, hi)
 
-    def _drop_window(self, node: SwaTreeNode, lo: int, hi: int) -> None:
-        """Tombstone positions [lo, hi) on node's path, splitting nodes at lo and hi, except
-        those an SWA lock needs."""
+    def _cool_window(self, node: SwaTreeNode, lo: int, hi: int) -> None:
+        """Mark positions [lo, hi) on node's path cold, splitting nodes at lo and hi, except
+        those an SWA lock still needs."""
         while node is not self.root and node.end > lo:
             start, end = node.start, min(node.end, hi)
             if max(start, lo) < end and not node.tombstone and not self._locked_below(node, end):
@@ -164,7 +173,7 @@ class SwaRadixCache(RadixCache):
                     node = self._split(node, end - start)
                 if start < lo:
                     self._split(node, lo - start)
-                self._tombstone(node)
+                node.swa_cold = True
             node = node.parent
 
     def _insert_req(self, req: CacheableReq, token_ids: Sequence[int]) -> int:
@@ -201,7 +210,7 @@ class SwaRadixCache(RadixCache):
 
     def _split(self, child: SwaTreeNode, n: int) -> SwaTreeNode:
         upper = super()._split(child, n)
-        upper.tombstone = child.tombstone
+        upper.tombstone, upper.swa_cold = child.tombstone, child.swa_cold
         reach = upper.end + self.sliding_window
         upper.swa_locks = {d: c for d, c in child.swa_locks.items() if d < reach}
         if child.swa_locks and not upper.swa_locks and not child.tombstone:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.memory.test_swa_radix_cache import Sim, check_all, put
+from tests.memory.test_swa_radix_cache import A, Sim, check_all, put
 
 BASES = [[(g * 31 + i * 7) % 11 for i in range(72)] for g in range(3)]
 prompt_st = st.builds(
@@ -57,3 +57,23 @@ def test_random_operations_keep_invariants(
         apply(sim, *op)
         check_all(sim)
     sim.drain()
+
+
+def test_check_catches_swa_freed_behind_its_back():
+    sim = Sim()
+    put(sim, A[:8])
+    sim.alloc.free_swa(sim.cache.match_prefix(A[:8]).indices[:1])
+    with pytest.raises(AssertionError):
+        sim.cache.check()
+
+
+def test_evict_frees_swa_and_tombstone_leaves():
+    sim = Sim()
+    put(sim, A[:16])
+    put(sim, A[:8] + [5] * 8)
+    assert sim.cache.evict_swa(8) == 8
+    assert sim.cache.evict(100) == 24
+    assert sim.alloc.num_free_full_pages == sim.num_pages
+    assert sim.alloc.swa.num_free_pages == sim.num_swa_pages
+    assert sim.cache.swa_total_size() == 0
+    check_all(sim)
