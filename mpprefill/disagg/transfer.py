@@ -177,7 +177,8 @@ class TransferBackend:
                 if after:
                     self.fence.wait(after)  # the forward that wrote these pages completed
                 t0 = clock_ns()
-                self._write(s.target, cmd.src, cmd.dst)
+                if len(self.full_planes.view):  # none when every layer slides
+                    self._write(s.target, cmd.src, cmd.dst)
                 if window:
                     self._write(s.target, cmd.swa_src, cmd.swa_dst, self.swa_planes)
                 tracer = get_tracer()

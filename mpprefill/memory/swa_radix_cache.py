@@ -199,7 +199,7 @@ class SwaRadixCache(RadixCache):
                     row[node.start : node.end], node.value = node.value, mine.clone()
                 else:
                     self.allocator.move_swa(mine, node.value)
-                node.tombstone = False
+                node.tombstone = node.swa_cold = False
                 self._swa_evictable += len(node.key)
             node = node.parent
 

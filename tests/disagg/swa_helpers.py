@@ -73,7 +73,7 @@ def assert_window_kv(model, ids: list[int], received: torch.Tensor, prefix_len: 
     want, n = reference_kv(model, ids, PAGE), len(ids)
     swa = list(KVCache.swa_layers_of(model.config))
     full = [i for i in range(model.config.num_hidden_layers) if i not in swa]
-    assert swa and full
+    assert swa  # full may be empty: every layer slides
     got = received[:, :, prefix_len:]
     torch.testing.assert_close(got[:, full], want[:, full, prefix_len:], rtol=1e-4, atol=1e-4)
     start = max(prefix_len, n - WINDOW)
