@@ -176,11 +176,7 @@ class PrefillServer:
                 "inflight": len(s.inflight_queue),
                 "live": len(s.live),
             },
-            "kv": {
-                "free_tokens": s.allocator.available_size(),
-                "total_tokens": s.allocator.size,
-                "cached_tokens": s.tree.total_size(),
-            },
+            "kv": kv_stats(s),
             "req_slots": {"free": s.req_pool.available_size(), "total": s.req_pool.size},
             "counters": {
                 **s.metrics.to_dict(),
@@ -283,3 +279,20 @@ def _make_transfer(args: ServerArgs, worker):
 
 def run_serve(args: ServerArgs) -> int:
     return PrefillServer(args).serve_forever()
+
+
+def kv_stats(s) -> dict:
+    """Pool occupancy; with sliding-window layers, their pool's too."""
+    kv = {
+        "free_tokens": s.allocator.available_size(),
+        "total_tokens": s.allocator.size,
+        "cached_tokens": s.tree.total_size(),
+    }
+    swa = getattr(s.allocator, "swa", None)
+    if swa is not None:
+        kv["swa"] = {
+            "free_tokens": swa.available_size(),
+            "total_tokens": swa.size,
+            "cached_tokens": s.tree.swa_total_size(),
+        }
+    return kv

@@ -140,3 +140,22 @@ def test_worker_death_fails_requests_and_exits_nonzero(server_factory):
     assert all("worker" in r["error"] for r in errors)
     assert "forward worker failed" in srv.log()
     assert srv.shm_left() == []
+
+
+def test_sliding_window_serve_matches_offline_and_reports_its_pool(server_factory):
+    swa = ("--sliding-window", "24", "--swa-layers", "fs", "--swa-full-tokens-ratio", "0.25")
+    prompts = [[7, 1, 2] * 40, [7, 1, 2] * 30 + [5] * 11]
+    srv = server_factory("--forward-mode", "proc-ahead", "--chunked-prefill-size", "32", *swa)
+    for i, p in enumerate(prompts):
+        srv.client.generate(f"w{i}", p)
+    replies = srv.client.recv_until({"w0", "w1"})
+    kw = dict(sliding_window=24, swa_layers="fs", swa_full_tokens_ratio=0.25)
+    with PrefillEngine(forward_mode="normal", chunked_prefill_size=32, **kw) as eng:
+        ref = eng.prefill(prompts)
+    assert [replies[f"w{i}"]["first_token"] for i in range(2)] == [o.first_token for o in ref]
+    kv = srv.client.stats()["kv"]
+    assert kv["swa"]["total_tokens"] == kv["total_tokens"] // 4
+    assert kv["swa"]["free_tokens"] + kv["swa"]["cached_tokens"] == kv["swa"]["total_tokens"]
+    assert 0 < kv["swa"]["cached_tokens"] <= kv["cached_tokens"]
+    assert srv.stop() == 0
+    assert srv.shm_left() == []
