@@ -73,6 +73,11 @@ class ServerArgs:
     swa_full_tokens_ratio: float = _f(
         0.8, "SWA KV pool size as a fraction of --max-total-tokens (sliding-window models)"
     )
+    swa_free_out_of_window: bool = _f(
+        False,
+        "free a running request's sliding-window KV once it leaves the window, instead of"
+        " keeping it (evicted first) for prefix hits",
+    )
 
     def __post_init__(self):
         if self.forward_mode is not None and self.forward_mode not in FORWARD_MODES:

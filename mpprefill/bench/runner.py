@@ -66,6 +66,8 @@ class BenchConfig:
             flags += ["--host-store-size", a.host_store_size]
         if a.disable_batched_staging:
             flags.append("--disable-batched-staging")
+        if a.swa_free_out_of_window:
+            flags.append("--swa-free-out-of-window")
         if record:
             flags += ["--record-batches", record]
         if self.trace_dir:

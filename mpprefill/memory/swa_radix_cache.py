@@ -54,10 +54,14 @@ class SwaRadixCache(RadixCache):
         page_size: int,
         sliding_window: int,
         disable: bool = False,
+        free_out_of_window: bool = False,
     ) -> None:
+        """`free_out_of_window`: drop the SWA KV a running request no longer sees at once
+        instead of marking it cold (less SWA memory, fewer hits on shared prefixes)."""
         if sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.sliding_window = sliding_window
+        self.free_out_of_window = free_out_of_window
         self._swa_evictable = self._swa_protected = 0
         super().__init__(req_to_token_pool, allocator, page_size, disable)
 
@@ -161,11 +165,12 @@ class SwaRadixCache(RadixCache):
                 self.allocator.free_swa(row[lo:hi])
                 req.swa_evicted_len = hi
         elif lo < hi:
-            self._cool_window(req.last_node, lo, hi)
+            self._leave_window(req.last_node, lo, hi)
 
-    def _cool_window(self, node: SwaTreeNode, lo: int, hi: int) -> None:
-        """Mark positions [lo, hi) on node's path cold, splitting nodes at lo and hi, except
-        those an SWA lock still needs."""
+    def _leave_window(self, node: SwaTreeNode, lo: int, hi: int) -> None:
+        """Mark positions [lo, hi) on node's path cold (or tombstone them, with
+        free_out_of_window), splitting nodes at lo and hi, except those an SWA lock still
+        needs."""
         while node is not self.root and node.end > lo:
             start, end = node.start, min(node.end, hi)
             if max(start, lo) < end and not node.tombstone and not self._locked_below(node, end):
@@ -173,7 +178,10 @@ class SwaRadixCache(RadixCache):
                     node = self._split(node, end - start)
                 if start < lo:
                     self._split(node, lo - start)
-                node.swa_cold = True
+                if self.free_out_of_window:
+                    self._tombstone(node)
+                else:
+                    node.swa_cold = True
             node = node.parent
 
     def _insert_req(self, req: CacheableReq, token_ids: Sequence[int]) -> int:

@@ -26,7 +26,10 @@ def make_kv_pools(
     check_swa_args(args, config)
     allocator = SwaPagedAllocator(args.num_pages, args.page_size, args.num_swa_pages)
     window = config.sliding_window
-    return allocator, SwaRadixCache(req_pool, allocator, args.page_size, window)
+    free = args.swa_free_out_of_window
+    return allocator, SwaRadixCache(
+        req_pool, allocator, args.page_size, window, free_out_of_window=free
+    )
 
 
 def check_swa_args(args: ServerArgs, config: ModelConfig) -> None:

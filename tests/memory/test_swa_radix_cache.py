@@ -35,13 +35,14 @@ class Sim:
     window: int = 8
     chunk: int = 8
     disable: bool = False
+    free: bool = False  # free_out_of_window
     reqs: list[FakeReq] = field(default_factory=list)
     locks: list[SwaTreeNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.alloc = SwaPagedAllocator(self.num_pages, self.page_size, self.num_swa_pages)
         self.pool = ReqToTokenPool(6, 256)
-        args = (self.pool, self.alloc, self.page_size, self.window, self.disable)
+        args = (self.pool, self.alloc, self.page_size, self.window, self.disable, self.free)
         self.cache = SwaRadixCache(*args)
 
     def row(self, req: FakeReq) -> torch.Tensor:

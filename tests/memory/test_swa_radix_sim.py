@@ -43,16 +43,17 @@ def apply(sim: Sim, op: str, n: int, prompt: list[int]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("page_size", "num_pages", "num_swa_pages", "window", "chunk", "disable"),
-    [(4, 40, 10, 8, 8, False), (1, 96, 24, 5, 7, False), (4, 24, 6, 6, 12, False),
-     (16, 10, 5, 20, 24, False), (4, 40, 10, 8, 8, True)],
+    ("page_size", "num_pages", "num_swa_pages", "window", "chunk", "disable", "free"),
+    [(4, 40, 10, 8, 8, False, False), (1, 96, 24, 5, 7, False, False),
+     (4, 24, 6, 6, 12, False, False), (16, 10, 5, 20, 24, False, False),
+     (4, 40, 10, 8, 8, True, False), (4, 24, 6, 6, 12, False, True)],
 )  # fmt: skip
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(op_st, min_size=20, max_size=60))
 def test_random_operations_keep_invariants(
-    page_size, num_pages, num_swa_pages, window, chunk, disable, ops
+    page_size, num_pages, num_swa_pages, window, chunk, disable, free, ops
 ):
-    sim = Sim(page_size, num_pages, num_swa_pages, window, chunk, disable)
+    sim = Sim(page_size, num_pages, num_swa_pages, window, chunk, disable, free)
     for op in ops:
         apply(sim, *op)
         check_all(sim)
@@ -77,3 +78,17 @@ def test_evict_frees_swa_and_tombstone_leaves():
     assert sim.alloc.swa.num_free_pages == sim.num_swa_pages
     assert sim.cache.swa_total_size() == 0
     check_all(sim)
+
+
+def test_free_out_of_window_drops_what_the_request_no_longer_sees():
+    sim = Sim(page_size=4, num_swa_pages=6, window=8, chunk=8, free=True)
+    req = sim.admit(A)
+    while not req.done:
+        assert sim.step(req)
+        check_all(sim)  # only the window is held, and a page more once the prompt is done
+        assert sim.swa_used() == sim.window + (sim.page_size if req.done else 0)
+    sim.release(req)
+    again = sim.admit(A)  # the page kept past the window still gives the whole-prompt hit
+    assert again.cached_tokens == 60
+    sim.release(again)
+    sim.drain()

@@ -62,3 +62,11 @@ def test_every_mode_matches_the_dense_sliding_window_reference(mode, dense):
         torch.testing.assert_close(o.logits, ref, atol=1e-4, rtol=1e-4)
         assert o.first_token == int(ref.argmax())
     assert sum(o.cached_tokens for o in outs) > 0
+
+
+def test_freeing_out_of_window_pages_at_once_keeps_logits(dense):
+    with PrefillEngine(forward_mode="proc-ahead", swa_free_out_of_window=True, **ENGINE_KW) as eng:
+        outs = eng.prefill(prompts(), return_logits=True)
+        eng.check_invariants(flush=True)
+    for o, ref in zip(outs, dense):
+        torch.testing.assert_close(o.logits, ref, atol=1e-4, rtol=1e-4)
