@@ -188,6 +188,7 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "invariants": after.get("invariants", {}),
+        "kv_at_end": after.get("kv", {}),  # pools after the drain (SWA pool too)
         "warmup_batches": c0["num_batches"],
         "errors": sorted({r.error for r in failed if r.error})[:5],
     }

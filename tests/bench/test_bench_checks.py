@@ -33,3 +33,5 @@ def test_sliding_window_bench_verifies_on_the_decode_side(tmp_path):
     (run,) = json.loads(path.read_text())["runs"]
     assert run["num_finished"] == 12 and run["num_unverified"] == 0 and run["leaks"]["ok"]
     assert json.loads(path.read_text())["config"]["server"]["sliding_window"] == 32
+    swa = run["kv_at_end"]["swa"]
+    assert swa["free_tokens"] + swa["cached_tokens"] == swa["total_tokens"] > 0
