@@ -60,6 +60,7 @@ class ServerArgs:
     random_seed: int = _f(0, "seed of the built-in model's weights")
     record_batches: str | None = _f(None, "on exit, write every batch's shape (JSON) here")
     log_level: str = _f("info", "logging level")
+    disable_radix_cache: bool = _f(False, "no prefix cache: every prompt is computed whole")
     host_store_size: int = _f(
         0, "host KV store under the device prefix cache, in tokens, LRU-evicted (0: off)"
     )
@@ -93,6 +94,8 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must hold at least one page")
         if self.host_store_size < 0:
             raise ValueError("--host-store-size must be >= 0 (0: off)")
+        if self.host_store_size and self.disable_radix_cache:
+            raise ValueError("--host-store-size needs the prefix cache (--disable-radix-cache)")
         if 0 < self.host_store_size < self.page_size:
             raise ValueError("--host-store-size must be 0 or hold at least one page")
         if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:

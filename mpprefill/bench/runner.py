@@ -66,8 +66,9 @@ class BenchConfig:
             flags += ["--host-store-size", a.host_store_size]
         if a.disable_batched_staging:
             flags.append("--disable-batched-staging")
-        if a.swa_free_out_of_window:
-            flags.append("--swa-free-out-of-window")
+        for name in ("swa_free_out_of_window", "disable_radix_cache"):
+            if getattr(a, name):
+                flags.append("--" + name.replace("_", "-"))
         if record:
             flags += ["--record-batches", record]
         if self.trace_dir:

@@ -121,6 +121,8 @@ class PrefillAdder:
     def _prefix_key(self, req: Req, prefix_len: int) -> tuple | None:
         """(offset, tokens) of the first uncached page, when a whole page is uncached."""
         page = req.origin_input_ids[prefix_len : prefix_len + self.page_size]
+        if self.tree.disable:
+            return None  # nothing to wait for: no request will hit it
         if len(page) < self.page_size or prefix_len + self.page_size >= req.prompt_len:
             return None
         return (prefix_len, tuple(page))

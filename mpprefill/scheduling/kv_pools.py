@@ -19,17 +19,15 @@ def make_kv_pools(
 ) -> tuple[PagedTokenAllocator, RadixCache]:
     if not config.has_sliding_layers:
         allocator = PagedTokenAllocator(args.num_pages, args.page_size)
-        return allocator, RadixCache(req_pool, allocator, args.page_size)
+        return allocator, RadixCache(req_pool, allocator, args.page_size, args.disable_radix_cache)
     from mpprefill.memory.swa_allocator import SwaPagedAllocator
     from mpprefill.memory.swa_radix_cache import SwaRadixCache
 
     check_swa_args(args, config)
     allocator = SwaPagedAllocator(args.num_pages, args.page_size, args.num_swa_pages)
     window = config.sliding_window
-    free = args.swa_free_out_of_window
-    return allocator, SwaRadixCache(
-        req_pool, allocator, args.page_size, window, free_out_of_window=free
-    )
+    free, off = args.swa_free_out_of_window, args.disable_radix_cache
+    return allocator, SwaRadixCache(req_pool, allocator, args.page_size, window, off, free)
 
 
 def check_swa_args(args: ServerArgs, config: ModelConfig) -> None:

@@ -110,3 +110,16 @@ def test_pool_smaller_than_workload_evicts_and_queues():
         outs = eng.prefill(prompts)
         assert len(outs) == 30
         eng.check_invariants(flush=True)
+
+
+def test_disabled_prefix_cache_computes_every_prompt_whole():
+    prompts = shared_prefix_prompts(4, n=8)
+    with PrefillEngine(forward_mode="proc-ahead", disable_radix_cache=True) as eng:
+        outs = eng.prefill(prompts, return_logits=True)
+        assert eng.scheduler.tree.total_size() == 0
+        eng.check_invariants(flush=True)
+    assert all(o.cached_tokens == 0 for o in outs)
+    for o, p in zip(outs, prompts):
+        torch.testing.assert_close(o.logits, dense_last_logits(p), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="needs the prefix cache"):
+        PrefillEngine(disable_radix_cache=True, host_store_size=1024)

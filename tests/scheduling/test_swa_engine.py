@@ -70,3 +70,15 @@ def test_freeing_out_of_window_pages_at_once_keeps_logits(dense):
         eng.check_invariants(flush=True)
     for o, ref in zip(outs, dense):
         torch.testing.assert_close(o.logits, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["normal", "thread-ahead", "proc-ahead"])
+def test_without_a_prefix_cache(mode, dense):
+    kw = {**ENGINE_KW, "disable_radix_cache": True}
+    with PrefillEngine(forward_mode=mode, **kw) as eng:
+        outs = eng.prefill(prompts(), return_logits=True)
+        assert eng.scheduler.tree.total_size() == 0
+        eng.check_invariants(flush=True)
+    for o, ref in zip(outs, dense):
+        torch.testing.assert_close(o.logits, ref, atol=1e-4, rtol=1e-4)
+    assert sum(o.cached_tokens for o in outs) == 0
