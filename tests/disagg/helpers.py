@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -183,3 +185,17 @@ def bootstrap(sender, prompt: Prompt, timeout: float = 10.0) -> None:
     wait_state(sender, KVPoll.WaitingForInput, timeout)
     prefix = sender.pop_decode_prefix_len()
     sender.init(cdiv(len(prompt.ids) - prefix, PAGE))
+
+
+@contextlib.contextmanager
+def serving(rx):
+    """A decode receiver serving on a thread for the block; stopped, joined, closed after."""
+    thread = threading.Thread(target=rx.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield rx
+    finally:
+        rx.stop()
+        thread.join(5)
+        rx.close()
+    assert not thread.is_alive()

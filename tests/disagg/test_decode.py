@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 import ipc
 from mpprefill.disagg.decode import DecodeReceiver
 from mpprefill.disagg.decode_args import DecodeArgs
-from tests.disagg.helpers import PAGE, Router
+from tests.disagg.helpers import PAGE, Router, serving
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -18,13 +16,8 @@ pytestmark = pytest.mark.timeout(30)
 def receiver():
     rx = DecodeReceiver(DecodeArgs(port=0, max_total_tokens=2 * PAGE, register_timeout=0.5))
     segment = rx.pool.shared.handle.name
-    thread = threading.Thread(target=rx.serve_forever, daemon=True)
-    thread.start()
-    yield rx
-    rx.stop()
-    thread.join(5)
-    assert not thread.is_alive()
-    rx.close()
+    with serving(rx):
+        yield rx
     assert not ipc.list_segments(segment.lstrip("/"))
 
 

@@ -8,7 +8,6 @@ window while a request is still computed; only the last window's SWA pages are s
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 
@@ -24,7 +23,7 @@ from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.worker.factory import make_worker
-from tests.disagg.helpers import PAGE, Router
+from tests.disagg.helpers import PAGE, Router, serving
 from tests.disagg.swa_helpers import PATTERN, WINDOW, assert_window_kv
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,13 +58,8 @@ def receiver(request):
     rx.verifier.submit = lambda ids, prefix, kv: (
         rx.received.append((ids, prefix, kv.clone())) or submit(ids, prefix, kv)
     )
-    thread = threading.Thread(target=rx.serve_forever, daemon=True)
-    thread.start()
-    yield rx
-    rx.stop()
-    thread.join(5)
-    assert not thread.is_alive()
-    rx.close()
+    with serving(rx):
+        yield rx
     if backend == "shm":
         assert not ipc.list_segments(rx.pool.shared.handle.name.lstrip("/"))
 
