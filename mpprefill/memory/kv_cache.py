@@ -78,9 +78,7 @@ class KVCache:
         num_swa_slots: int | None = None,
     ) -> KVCache:
         """The pool of a model; SWA layers get `num_swa_slots` (default: num_slots)."""
-        layers, heads, dim = cls.model_dims(config)
-        swa = cls.swa_layers_of(config)
-        n_swa = (num_slots if num_swa_slots is None else num_swa_slots) if swa else 0
+        layers, heads, dim, swa, n_swa = cls._model_layout(config, num_slots, num_swa_slots)
         return cls(
             layers,
             num_slots,
@@ -92,6 +90,13 @@ class KVCache:
             swa_layers=swa,
             num_swa_slots=n_swa,
         )
+
+    @classmethod
+    def _model_layout(cls, config: ModelConfig, num_slots: int, num_swa_slots: int | None):
+        """(layers, heads, head_dim, SWA layers, SWA pool slots) of a model's pool."""
+        swa = cls.swa_layers_of(config)
+        n_swa = (num_slots if num_swa_slots is None else num_swa_slots) if swa else 0
+        return (*cls.model_dims(config), swa, n_swa)
 
     @staticmethod
     def model_dims(config: ModelConfig) -> tuple[int, int, int]:
@@ -107,9 +112,7 @@ class KVCache:
         cls, config: ModelConfig, num_slots: int, num_swa_slots: int | None = None
     ) -> tuple[int, ...]:
         """Shape of the storage tensor `for_model` takes (to allocate it elsewhere)."""
-        layers, heads, dim = cls.model_dims(config)
-        swa = cls.swa_layers_of(config)
-        n_swa = (num_slots if num_swa_slots is None else num_swa_slots) if swa else 0
+        layers, heads, dim, swa, n_swa = cls._model_layout(config, num_slots, num_swa_slots)
         return cls.storage_shape(layers, num_slots, heads, dim, swa, n_swa)
 
     @staticmethod

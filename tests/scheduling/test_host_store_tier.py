@@ -115,11 +115,7 @@ def test_loads_respect_the_budget_and_keep_the_device_match():
     dev = Device(num_pages=6)
     tier = dev.tier()
     ids = list(range(1, 4 * PS + 2))
-    req = dev.finish(ids)
-    tier.write_back([req])
-    tier.retire(wait=True)
-    dev.release(req)
-    dev.tree.flush()
+    only_on_the_host(dev, tier, ids)
     dev.release(dev.finish(ids[: 2 * PS]))  # the first two pages are on the device again
     dev.release(dev.finish([900] * 4 * PS))  # a more recent entry fills the pool
     assert dev.alloc.num_free_pages == 0
@@ -138,10 +134,15 @@ def test_partial_load_takes_what_the_budget_allows():
     dev = Device()
     tier = dev.tier()
     ids = list(range(1, 4 * PS + 2))
+    only_on_the_host(dev, tier, ids)
+    match, left = tier.match_prefix(ids, 4 * PS, lambda: 1, partial=True)
+    assert len(match.indices) == PS and left == 3
+
+
+def only_on_the_host(dev, tier, ids: list[int]) -> None:
+    """Compute ids, write their pages back, then drop them from the device cache."""
     req = dev.finish(ids)
     tier.write_back([req])
     tier.retire(wait=True)
     dev.release(req)
     dev.tree.flush()
-    match, left = tier.match_prefix(ids, 4 * PS, lambda: 1, partial=True)
-    assert len(match.indices) == PS and left == 3
