@@ -24,9 +24,6 @@ class PagedTokenAllocator:
             raise ValueError(f"bad allocator shape: {num_pages} pages of {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.clear()
-
-    def clear(self) -> None:
         self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
         self._released: list[Tensor] = []
         self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
@@ -37,12 +34,39 @@ class PagedTokenAllocator:
         return self._num_free
 
     @property
+    def num_free_full_pages(self) -> int:
+        return self._num_free
+
+    @property
     def size(self) -> int:
         """Capacity in tokens."""
         return self.num_pages * self.page_size
 
     def available_size(self) -> int:
         return self._num_free * self.page_size
+
+    # ---- the sliding-window pool: none here (SwaPagedAllocator has one) -------------------
+
+    @property
+    def has_swa_pool(self) -> bool:
+        return False
+
+    @property
+    def num_free_swa_pages(self) -> int:
+        return 0
+
+    @property
+    def swa_size(self) -> int:
+        """Capacity of the SWA pool in tokens."""
+        return 0
+
+    def swa_available_size(self) -> int:
+        return 0
+
+    def swa_slots(self, slots: Tensor, missing: int | None = None) -> Tensor:
+        """SWA-pool slots of full slots; empty here, which a ForwardBatch reads as "the SWA
+        layers use the full slots"."""
+        return torch.empty(0, dtype=torch.int64)
 
     def pages_needed(self, prefix_len: int, seq_len: int) -> int:
         """New pages for extending a request from prefix_len to seq_len tokens.

@@ -87,6 +87,17 @@ class RadixCache:
     def total_size(self) -> int:
         return self._evictable + self._protected
 
+    # ---- sliding-window KV: none held apart here (SwaRadixCache holds it) -----------------
+
+    def swa_evictable_size(self) -> int:
+        return 0
+
+    def swa_total_size(self) -> int:
+        return 0
+
+    def evict_swa(self, num_tokens: int) -> int:
+        return 0
+
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """Slots of the longest cached prefix, in whole pages, and the node it ends at."""
         if self.disable:
@@ -173,8 +184,6 @@ class RadixCache:
         # NOTE: the root object stays: requests that matched nothing hold it as last_node.
         self.root.children.clear()
         self._evictable = 0
-
-    reset = flush
 
     def cache_unfinished_req(self, req: CacheableReq) -> None:
         """Cache a request's KV so far and keep it locked: its next chunk extends it."""
@@ -280,16 +289,6 @@ class RadixCache:
         assert bool((pages[:, 0] % self.page_size == 0).all()), "tree page is misaligned"
         assert len(torch.unique(slots)) == len(slots), "a slot is in two tree nodes"
         assert self.allocator.is_held(slots), "tree holds a free slot"
-
-    def pretty_print(self) -> str:
-        lines = [repr(self)]
-        stack = [(child, 1) for child in reversed(self.root.children.values())]
-        while stack:
-            node, depth = stack.pop()
-            head = " ".join(map(str, node.key[:8])) + (" ..." if len(node.key) > 8 else "")
-            lines.append(f"{'  ' * depth}{node} len={len(node.key)} [{head}]")
-            stack.extend((c, depth + 1) for c in reversed(node.children.values()))
-        return "\n".join(lines)
 
     def __repr__(self) -> str:
         return (

@@ -19,9 +19,6 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64)
-        self.clear()
-
-    def clear(self) -> None:
         self._free: list[int] = list(range(self.size - 1, -1, -1))
         self._is_free = [True] * self.size
 

@@ -25,14 +25,9 @@ class SwaPagedAllocator(PagedTokenAllocator):
     def __init__(self, num_pages: int, page_size: int, num_swa_pages: int) -> None:
         if num_swa_pages <= 0:
             raise ValueError(f"the SWA pool needs at least one page, got {num_swa_pages}")
+        super().__init__(num_pages, page_size)
         self.swa = PagedTokenAllocator(num_swa_pages, page_size)
         self.swa_page_of = torch.full((num_pages,), -1, dtype=torch.int64)
-        super().__init__(num_pages, page_size)
-
-    def clear(self) -> None:
-        super().clear()
-        self.swa.clear()
-        self.swa_page_of.fill_(-1)
 
     @property
     def num_free_pages(self) -> int:
@@ -40,14 +35,22 @@ class SwaPagedAllocator(PagedTokenAllocator):
         return min(self._num_free, self.swa.num_free_pages)
 
     @property
-    def num_free_full_pages(self) -> int:
-        return self._num_free
+    def has_swa_pool(self) -> bool:
+        return True
 
-    def available_size(self) -> int:
-        return self._num_free * self.page_size
+    @property
+    def num_free_swa_pages(self) -> int:
+        return self.swa.num_free_pages
+
+    @property
+    def swa_size(self) -> int:
+        return self.swa.size
 
     def swa_available_size(self) -> int:
         return self.swa.available_size()
+
+    def swa_slots(self, slots: Tensor, missing: int | None = None) -> Tensor:
+        return self.translate(slots, missing)
 
     def alloc_pages(self, num_pages: int) -> Tensor | None:
         if num_pages > self.swa.num_free_pages:

@@ -24,6 +24,7 @@ from typing import Protocol
 
 from torch import Tensor
 
+from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.radix_cache import CacheableReq, MatchResult, RadixCache, TreeNode
 from mpprefill.memory.req_to_token import ReqToTokenPool
 from mpprefill.memory.swa_allocator import SwaPagedAllocator
@@ -134,8 +135,6 @@ class SwaRadixCache(RadixCache):
         super().flush()
         self._swa_evictable = 0
 
-    reset = flush
-
     def cache_unfinished_req(self, req: SwaCacheableReq) -> None:
         """As RadixCache's; then the SWA KV its next chunk can no longer see goes first when
         the SWA pool needs room.
@@ -156,7 +155,7 @@ class SwaRadixCache(RadixCache):
         super().cache_unfinished_req(req)
         kv_len, ps = len(req.fill_ids), self.page_size
         margin = ps if kv_len == len(req.origin_input_ids) else 0
-        lo = -(-req.cached_tokens // ps) * ps
+        lo = cdiv(req.cached_tokens, ps) * ps
         hi = self._aligned(max(0, kv_len - self.sliding_window + 1 - margin))
         if self.disable:
             lo = max(lo, req.swa_evicted_len)

@@ -4,8 +4,8 @@ Three entry points, all on the scheduler thread:
 - `match_prefix` (admission): a device match, extended by loading the ready host pages that
   follow it into fresh device pages, which join the tree before the request locks them.
 - `write_back` (result processing): the committed pages of requests whose final chunk just
-  finished are staged into host slots: one gather and one copy for the whole set (or one
-  per request with batched staging off).
+  finished are written back to host slots: one gather and one copy for the whole set (or
+  one per request with batched write-back off).
 - `retire` (top of every loop iteration): finished copies become matchable.
 """
 
@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from mpprefill.memory.allocator import PagedTokenAllocator
-from mpprefill.memory.host_index import HostPage
-from mpprefill.memory.host_store import HostKVStore
+from mpprefill.memory.host.index import HostPage
+from mpprefill.memory.host.store import HostKVStore
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.memory.radix_cache import MatchResult, RadixCache
 from mpprefill.scheduling.metrics import SchedulerMetrics
@@ -27,7 +27,7 @@ from mpprefill.scheduling.req import Req
 
 if TYPE_CHECKING:
     from mpprefill.config import ServerArgs
-    from mpprefill.worker.base import Worker
+    from mpprefill.worker.api import Worker
     from mpprefill.worker.fence import KVWriteFence
 
 
@@ -43,11 +43,11 @@ def make_host_tier(
         return None
     kv = worker.kv_cache
     store = HostKVStore(args.host_store_size, args.page_size, kv)
-    batched = not args.disable_batched_staging
+    batched = not args.disable_batched_writeback
     return HostTier(store, tree, allocator, kv, batched, metrics, worker.kv_fence)
 
 
-class StagingPlan(NamedTuple):
+class WritebackPlan(NamedTuple):
     device_slots: Tensor
     host_slots: Tensor
     entries: list[HostPage]
@@ -60,16 +60,19 @@ class HostTier:
         tree: RadixCache,
         allocator: PagedTokenAllocator,
         kv: KVCache,
-        batched_staging: bool = True,
+        batched_writeback: bool = True,
         metrics: SchedulerMetrics | None = None,
         fence: KVWriteFence | None = None,
     ) -> None:
-        self.store, self.tree, self.allocator, self.kv = store, tree, allocator, kv
+        self.store = store
+        self.tree = tree
+        self.allocator = allocator
+        self.kv = kv
         self.fence = fence
         self.page_size = store.page_size
-        self.batched_staging = batched_staging
+        self.batched_writeback = batched_writeback
         self.metrics = metrics or SchedulerMetrics()
-        self.staging_calls = 0  # gathers (each followed by one copy) issued by write_back
+        self.writeback_calls = 0  # gathers (each followed by one copy) issued by write_back
 
     # ---- load on a prefix hit -------------------------------------------------------------
 
@@ -119,15 +122,15 @@ class HostTier:
     # ---- write-back of finished requests --------------------------------------------------
 
     def write_back(self, reqs: list[Req]) -> None:
-        """Stage the committed (tree-held) pages of finished requests into host slots."""
+        """Write the committed (tree-held) pages of finished requests back to host slots."""
         plans = [p for p in map(self._plan, reqs) if p.entries]
         if not plans:
             return
-        groups = [plans] if self.batched_staging else [[p] for p in plans]
+        groups = [plans] if self.batched_writeback else [[p] for p in plans]
         for group in groups:
-            self._stage(group)
+            self._write(group)
 
-    def _plan(self, req: Req) -> StagingPlan:
+    def _plan(self, req: Req) -> WritebackPlan:
         """Host pages for the pages of req's committed prefix the store lacks.
 
         Planned one request after another, so a page two of them share is reserved once.
@@ -136,15 +139,15 @@ class HostTier:
         first, host_slots, entries = self.store.reserve(req.fill_ids[:committed])
         start = first * self.page_size
         device_slots = req.prefix_indices[start : start + len(host_slots)]
-        return StagingPlan(device_slots, host_slots, entries)
+        return WritebackPlan(device_slots, host_slots, entries)
 
-    def _stage(self, plans: list[StagingPlan]) -> None:
+    def _write(self, plans: list[WritebackPlan]) -> None:
         """One gather and one copy for all of plans' pages."""
         device_slots = torch.cat([p.device_slots for p in plans])
         host_slots = torch.cat([p.host_slots for p in plans])
         entries = [e for p in plans for e in p.entries]
         self.store.write(self.kv, device_slots, host_slots, entries)
-        self.staging_calls += 1
+        self.writeback_calls += 1
 
     # ---- retire, check --------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from mpprefill.memory.allocator import PagedTokenAllocator
+    from mpprefill.memory.radix_cache import RadixCache
     from mpprefill.scheduling.scheduler import Scheduler
 
 
@@ -14,12 +16,7 @@ class InvariantError(AssertionError):
 
 def check_drained(s: Scheduler, flush: bool = False) -> dict[str, int]:
     """Pools, cache and queues after a drain; with flush, the cache is emptied first."""
-    _expect(not s.live, f"{len(s.live)} requests still live")
-    _expect(s.forwards_in_flight == 0, "a forward is still in flight")
-    _expect(s.chunked_req is None, "a chunked request is pending")
-    _expect(not s.pending_prefix_keys, "prefix keys still marked in flight")
-    for q in ("incoming", "bootstrap_queue", "waiting", "inflight_queue"):
-        _expect(not getattr(s, q), f"{q} is not empty")
+    _check_idle(s)
     s.req_pool.check()
     s.allocator.check()
     s.tree.check()
@@ -27,23 +24,36 @@ def check_drained(s: Scheduler, flush: bool = False) -> dict[str, int]:
         s.host_tier.check()  # valid with writes in flight: they hold their host pages
     _expect(s.req_pool.available_size() == s.req_pool.size, "req_to_token rows still held")
     _expect(s.tree.protected_size() == 0, "cache nodes still locked")
-    free, held = s.allocator.available_size(), s.tree.total_size()
-    _expect(
-        free + held == s.allocator.size,
-        f"KV pages leaked: free {free} + cached {held} != {s.allocator.size}",
-    )
-    swa = getattr(s.allocator, "swa", None)
-    if swa is not None:
-        free, held = swa.available_size(), s.tree.swa_total_size()
-        _expect(
-            free + held == swa.size,
-            f"SWA pages leaked: free {free} + cached {held} != {swa.size}",
-        )
+    _check_pools(s.allocator, s.tree)
     if flush:
-        s.tree.flush()
-        _expect(s.allocator.available_size() == s.allocator.size, "KV not free after flush")
-        _expect(swa is None or swa.available_size() == swa.size, "SWA KV not free after flush")
+        _check_flush(s.allocator, s.tree)
     return {"free_tokens": s.allocator.available_size(), "cached_tokens": s.tree.total_size()}
+
+
+def _check_idle(s: Scheduler) -> None:
+    _expect(not s.live, f"{len(s.live)} requests still live")
+    _expect(s.forwards_in_flight == 0, "a forward is still in flight")
+    _expect(s.chunked_req is None, "a chunked request is pending")
+    _expect(not s.pending_prefix_keys, "prefix keys still marked in flight")
+    for q in ("incoming", "bootstrap_queue", "waiting", "inflight_queue"):
+        _expect(not getattr(s, q), f"{q} is not empty")
+
+
+def _check_pools(allocator: PagedTokenAllocator, tree: RadixCache) -> None:
+    """Every page is free or cached, in each pool (the SWA one is empty without SWA layers)."""
+    _expect_no_leak("KV", allocator.available_size(), tree.total_size(), allocator.size)
+    swa_free = allocator.swa_available_size()
+    _expect_no_leak("SWA", swa_free, tree.swa_total_size(), allocator.swa_size)
+
+
+def _check_flush(allocator: PagedTokenAllocator, tree: RadixCache) -> None:
+    tree.flush()
+    _expect(allocator.available_size() == allocator.size, "KV not free after flush")
+    _expect(allocator.swa_available_size() == allocator.swa_size, "SWA KV not free after flush")
+
+
+def _expect_no_leak(pool: str, free: int, held: int, total: int) -> None:
+    _expect(free + held == total, f"{pool} pages leaked: free {free} + cached {held} != {total}")
 
 
 def _expect(ok: bool, what: str) -> None:

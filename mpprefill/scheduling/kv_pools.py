@@ -25,9 +25,15 @@ def make_kv_pools(
 
     check_swa_args(args, config)
     allocator = SwaPagedAllocator(args.num_pages, args.page_size, args.num_swa_pages)
-    window = config.sliding_window
-    free, off = args.swa_free_out_of_window, args.disable_radix_cache
-    return allocator, SwaRadixCache(req_pool, allocator, args.page_size, window, off, free)
+    tree = SwaRadixCache(
+        req_pool,
+        allocator,
+        args.page_size,
+        config.sliding_window,
+        disable=args.disable_radix_cache,
+        free_out_of_window=args.swa_free_out_of_window,
+    )
+    return allocator, tree
 
 
 def check_swa_args(args: ServerArgs, config: ModelConfig) -> None:
@@ -53,34 +59,49 @@ def prompt_fits(allocator: PagedTokenAllocator, prompt_len: int, chunked: bool) 
     need = allocator.pages_needed(0, prompt_len)
     if need > allocator.num_pages:
         return f"prompt of {prompt_len} tokens exceeds the KV pool ({allocator.size} tokens)"
-    swa = getattr(allocator, "swa", None)
-    if swa is not None and not chunked and need > swa.num_pages:
-        return f"prompt of {prompt_len} tokens exceeds the SWA KV pool ({swa.size} tokens)"
+    swa_tokens = allocator.swa_size
+    if allocator.has_swa_pool and not chunked and need * allocator.page_size > swa_tokens:
+        return f"prompt of {prompt_len} tokens exceeds the SWA KV pool ({swa_tokens} tokens)"
     return None
 
 
 def reclaimable_pages(tree: RadixCache, allocator: PagedTokenAllocator) -> int:
     """Pages an allocation could get now, evicting from the cache as needed."""
     ps = allocator.page_size
-    full = getattr(allocator, "num_free_full_pages", allocator.num_free_pages)
-    free = full + tree.evictable_size() // ps
-    swa = getattr(allocator, "swa", None)
-    if swa is not None:
-        free = min(free, swa.num_free_pages + tree.swa_evictable_size() // ps)
-    return free
+    free = allocator.num_free_full_pages + tree.evictable_size() // ps
+    if not allocator.has_swa_pool:
+        return free
+    return min(free, allocator.num_free_swa_pages + tree.swa_evictable_size() // ps)
 
 
 def reclaim(tree: RadixCache, allocator: PagedTokenAllocator, need: int) -> None:
     """Evict from the cache until `need` pages can be allocated (as far as it can)."""
-    ps, swa = allocator.page_size, getattr(allocator, "swa", None)
-    if swa is not None and need > swa.num_free_pages:
-        tree.evict_swa((need - swa.num_free_pages) * ps)  # SWA only: the full KV stays
+    ps = allocator.page_size
+    if allocator.has_swa_pool and need > allocator.num_free_swa_pages:
+        # SWA only: the full KV stays
+        tree.evict_swa((need - allocator.num_free_swa_pages) * ps)
     if need > allocator.num_free_pages:
         tree.evict((need - allocator.num_free_pages) * ps)
 
 
 def add_swa_slots(allocator: PagedTokenAllocator, fb: ForwardBatch) -> None:
-    """Fill a batch's SWA-pool slots (-1 for keys whose SWA page left with the window)."""
-    if hasattr(allocator, "translate"):
-        fb.swa_out_cache_loc = allocator.translate(fb.out_cache_loc)
-        fb.swa_kv_indices = allocator.translate(fb.kv_indices, missing=-1)
+    """Fill a batch's SWA-pool slots (-1 for keys whose SWA page left with the window);
+    without an SWA pool they stay empty."""
+    fb.swa_out_cache_loc = allocator.swa_slots(fb.out_cache_loc)
+    fb.swa_kv_indices = allocator.swa_slots(fb.kv_indices, missing=-1)
+
+
+def kv_stats(allocator: PagedTokenAllocator, tree: RadixCache) -> dict[str, object]:
+    """Pool occupancy; with sliding-window layers, their pool's too."""
+    kv: dict[str, object] = {
+        "free_tokens": allocator.available_size(),
+        "total_tokens": allocator.size,
+        "cached_tokens": tree.total_size(),
+    }
+    if allocator.has_swa_pool:
+        kv["swa"] = {
+            "free_tokens": allocator.swa_available_size(),
+            "total_tokens": allocator.swa_size,
+            "cached_tokens": tree.swa_total_size(),
+        }
+    return kv

@@ -30,6 +30,14 @@ def test_33_token_prompt_holds_3_pages():
     alloc.check()
 
 
+def test_plain_allocator_has_no_swa_pool():
+    alloc = PagedTokenAllocator(8, 16)
+    alloc.alloc(32)
+    assert not alloc.has_swa_pool and alloc.num_free_full_pages == alloc.num_free_pages == 6
+    assert alloc.num_free_swa_pages == alloc.swa_size == alloc.swa_available_size() == 0
+    assert alloc.swa_slots(torch.arange(4), missing=-1).numel() == 0
+
+
 def test_extend_continues_partial_page():
     alloc = PagedTokenAllocator(8, 16)
     first = alloc.alloc_extend([0], [20], [-1])

@@ -165,10 +165,14 @@ def test_disabled_cache_stores_nothing():
     cache.check()
 
 
-def test_debug_output():
+def test_repr_shows_the_holdings():
     cache = make_cache(page_size=4)
     put(cache, list(range(12)))
-    cache.match_prefix(list(range(5)))
-    text = cache.pretty_print()
-    assert "RadixCache" in text and "len=4" in text and "len=8" in text
     assert "evictable=12" in repr(cache)
+
+
+def test_no_sliding_window_kv_is_held_apart():
+    cache = make_cache(page_size=4)
+    put(cache, list(range(12)))
+    assert cache.swa_evictable_size() == cache.swa_total_size() == 0
+    assert cache.evict_swa(8) == 0 and cache.total_size() == 12

@@ -59,9 +59,12 @@ def test_alloc_extend_continues_the_partial_page_in_both_pools():
     a.check()
 
 
-def test_clear_resets_both_pools():
+def test_swa_pool_answers_for_the_scheduler():
     a = SwaPagedAllocator(num_pages=4, page_size=2, num_swa_pages=2)
-    a.alloc(4)
-    a.clear()
-    a.check()
-    assert a.num_free_pages == 2 and a.num_free_full_pages == 4
+    assert a.has_swa_pool and a.swa_size == 4
+    assert a.num_free_pages == 2 and a.num_free_full_pages == 4 and a.num_free_swa_pages == 2
+    slots = a.alloc(2)
+    assert a.num_free_swa_pages == 1 and a.swa_available_size() == 2
+    assert torch.equal(a.swa_slots(slots), a.translate(slots))
+    a.free_swa(slots)
+    assert a.swa_slots(slots, missing=-1).tolist() == [-1, -1]

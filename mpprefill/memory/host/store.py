@@ -2,9 +2,9 @@
 
 Pages are written asynchronously: `reserve` takes host pages for the pages of a prompt the
 store lacks (evicting least recently used ones if needed) and indexes them as writes in
-flight; `write` gathers their device KV into a staging buffer and hands it to a copy thread;
-`retire`, on the scheduler thread, marks finished copies ready. Only ready pages are
-matched, loaded or evicted.
+flight; `write` gathers their device KV into a write-back buffer and hands it to a copy
+thread; `retire`, on the scheduler thread, marks finished copies ready. Only ready pages
+are matched, loaded or evicted.
 
     state of a host page   free --reserve--> in flight --retire--> ready --evict--> free
 """
@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from mpprefill.memory.allocator import PagedTokenAllocator
-from mpprefill.memory.host_index import HostPage, HostPageIndex
-from mpprefill.memory.host_staging import StagingBuffers
+from mpprefill.memory.host.index import HostPage, HostPageIndex
+from mpprefill.memory.host.writeback import WritebackBuffers
 from mpprefill.memory.kv_cache import KVCache
 
 
@@ -34,7 +34,7 @@ class Reservation(NamedTuple):
 class _Write(NamedTuple):
     future: Future
     entries: list[HostPage]
-    staging: Tensor  # the staging buffer it reads, reused once it retires
+    buffer: Tensor  # the write-back buffer it reads, reused once it retires
 
 
 class HostKVStore:
@@ -53,14 +53,9 @@ class HostKVStore:
         # NOTE: zeroed now so the copy thread never first-touches (page-faults) host memory.
         buffer = torch.zeros(shape, dtype=like.dtype, pin_memory=pin)
         self.kv = KVCache(layers, num_pages * page_size, heads, dim, like.dtype, buffer=buffer)
-        self.staging = StagingBuffers(layers, heads, dim, like.dtype)
+        self.buffers = WritebackBuffers(layers, heads, dim, like.dtype)
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="host-kv-copy")
         self._writes: deque[_Write] = deque()
-
-    @property
-    def capacity(self) -> int:
-        """Capacity in tokens."""
-        return self.pages.size
 
     @property
     def writes_in_flight(self) -> int:
@@ -104,20 +99,20 @@ class HostKVStore:
         host_slots: Tensor,
         entries: list[HostPage],
     ) -> None:
-        """Stage device_slots' KV with one gather (now) and copy it into host_slots with one
-        copy (on the copy thread). The device slots may be reused once this returns."""
+        """Gather device_slots' KV into a write-back buffer (now) and copy it into host_slots
+        with one copy (on the copy thread). The device slots may be reused once this returns."""
         if not entries:
             return
-        buf = self.staging.take(len(device_slots), device_kv.device)
-        staged = self.staging.view(buf, len(device_slots))
-        torch.index_select(device_kv.buffer, 2, device_slots.to(device_kv.device), out=staged)
-        if staged.is_cuda:
-            torch.cuda.current_stream(staged.device).synchronize()
-        future = self.copier.submit(self._copy, staged, host_slots)
+        buf = self.buffers.take(len(device_slots), device_kv.device)
+        gathered = self.buffers.view(buf, len(device_slots))
+        torch.index_select(device_kv.buffer, 2, device_slots.to(device_kv.device), out=gathered)
+        if gathered.is_cuda:
+            torch.cuda.current_stream(gathered.device).synchronize()
+        future = self.copier.submit(self._copy, gathered, host_slots)
         self._writes.append(_Write(future, entries, buf))
 
-    def _copy(self, staged: Tensor, host_slots: Tensor) -> None:
-        self.kv.buffer.index_copy_(2, host_slots, staged.to("cpu"))
+    def _copy(self, gathered: Tensor, host_slots: Tensor) -> None:
+        self.kv.buffer.index_copy_(2, host_slots, gathered.to("cpu"))
 
     def retire(self, wait: bool = False) -> int:
         """Mark finished copies ready, oldest first; with wait, all of them. Tokens retired."""
@@ -125,7 +120,7 @@ class HostKVStore:
         while self._writes and (wait or self._writes[0].future.done()):
             write = self._writes.popleft()
             write.future.result()  # a failed copy is a bug: raise it on the scheduler thread
-            self.staging.give(write.staging)
+            self.buffers.give(write.buffer)
             for entry in write.entries:
                 self.index.set_ready(entry)
             done += len(write.entries) * self.page_size

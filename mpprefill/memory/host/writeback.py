@@ -1,6 +1,6 @@
-"""StagingBuffers: reusable buffers that hold staged KV until the host store's copy is done.
+"""WritebackBuffers: reusable buffers that hold gathered KV until the host store's copy is done.
 
-A write-back gathers its device slots into one staging buffer on the scheduler thread; the
+A batched write-back gathers its device slots into one buffer on the scheduler thread; the
 copy thread then scatters it into host slots. The buffer goes back to the spares when the
 write retires.
 
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 
-class StagingBuffers:
+class WritebackBuffers:
     def __init__(
         self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, spares: int = 4
     ) -> None:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpprefill.memory.host_store import HostKVStore
+from mpprefill.memory.host.store import HostKVStore
 from mpprefill.memory.kv_cache import KVCache
 
 PS = 4
@@ -35,7 +35,7 @@ def hold(store: HostKVStore, gate: threading.Event) -> None:
 
 
 def write(store: HostKVStore, kv: KVCache, ids: list[int], device_slots: torch.Tensor):
-    """Reserve and stage ids' missing pages from device_slots (one slot per token of ids)."""
+    """Reserve and write back ids' missing pages from device_slots (one slot per token of ids)."""
     first, host_slots, entries = store.reserve(ids)
     start = first * PS
     store.write(kv, device_slots[start : start + len(host_slots)], host_slots, entries)
@@ -151,20 +151,20 @@ def test_check_catches_a_page_freed_while_held():
         store.check()
 
 
-def test_staging_buffers_are_reused_once_their_write_retires():
+def test_writeback_buffers_are_reused_once_their_write_retires():
     kv = device_kv()
     store = make_store(8, kv)
     gate = threading.Event()
     hold(store, gate)
     write(store, kv, tokens(1, 2), torch.arange(8))
     write(store, kv, tokens(2, 1), torch.arange(8, 12))
-    assert store.staging.spare_bytes() == 0  # both buffers are read by copies in flight
+    assert store.buffers.spare_bytes() == 0  # both buffers are read by copies in flight
     gate.set()
     store.retire(wait=True)
-    spare = store.staging.spare_bytes()
-    assert spare == (8 + 4) * store.staging.slot_numel * 4
+    spare = store.buffers.spare_bytes()
+    assert spare == (8 + 4) * store.buffers.slot_numel * 4
     write(store, kv, tokens(3, 2), torch.arange(12, 20))
-    assert store.staging.spare_bytes() == spare - 8 * store.staging.slot_numel * 4
+    assert store.buffers.spare_bytes() == spare - 8 * store.buffers.slot_numel * 4
     store.retire(wait=True)
     assert torch.equal(
         store.kv.gather(store.slots_of(store.match(tokens(3, 2)))), kv.gather(torch.arange(12, 20))
