@@ -6,10 +6,11 @@ import argparse
 
 from mpprefill.cli import command
 from mpprefill.config import ServerArgs
+from mpprefill.flags import add_flags, from_namespace
 
 
 def _serve_args(ap: argparse.ArgumentParser) -> None:
-    ServerArgs.add_cli_args(ap)
+    add_flags(ap, ServerArgs)
 
 
 @command("serve", "prefill scheduler and its forward worker", _serve_args)
@@ -17,7 +18,7 @@ def serve(args: argparse.Namespace) -> int:
     from mpprefill.server import run_serve
 
     try:
-        server_args = ServerArgs.from_cli(args)
+        server_args = from_namespace(ServerArgs, args)
         server_args.resolved_forward_mode  # noqa: B018 - validates the mode and env aliases
     except ValueError as e:
         raise SystemExit(f"mpprefill serve: {e}") from None
@@ -25,13 +26,13 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _decode_args(ap: argparse.ArgumentParser) -> None:
-    from mpprefill.disagg.decode_args import add_decode_args
+    from mpprefill.disagg.decode.cli import add_decode_args
 
     add_decode_args(ap)
 
 
 @command("decode", "decode receiver: the KV destination", _decode_args)
 def decode(args: argparse.Namespace) -> int:
-    from mpprefill.disagg.decode_args import run_decode
+    from mpprefill.disagg.decode.cli import run_decode
 
     return run_decode(args)

@@ -1,1 +1,3 @@
-"""Disaggregation: bootstrap, KV senders, transfer backends and the decode receiver."""
+"""Disaggregation. The prefill side: KV senders (sender, transfer_sender), the transfer
+thread (transfer) and its backends (backends, shm_backend, mooncake_backend, planes); the
+wire both sides speak (wire); the decode receiver (decode/)."""

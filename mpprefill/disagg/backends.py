@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mpprefill.disagg.protocol import PoolLayout
 from mpprefill.disagg.sender import FakeTransfer
+from mpprefill.disagg.wire import PoolLayout
 from mpprefill.memory.kv_cache import KVCache
 
 BACKENDS = ("shm", "mooncake", "fake")

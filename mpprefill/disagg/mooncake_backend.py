@@ -13,8 +13,8 @@ import socket
 import torch
 
 from mpprefill.disagg.planes import PoolPlanes
-from mpprefill.disagg.protocol import PoolLayout
 from mpprefill.disagg.transfer import DEFAULT_DECODE_ADDRESS, TransferBackend
+from mpprefill.disagg.wire import PoolLayout
 from mpprefill.memory.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ import torch
 
 import ipc
 from mpprefill.disagg.planes import PoolPlanes, flat_index, plane_view
-from mpprefill.disagg.protocol import PoolLayout
 from mpprefill.disagg.transfer import TransferBackend
+from mpprefill.disagg.wire import PoolLayout
 from mpprefill.memory.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)

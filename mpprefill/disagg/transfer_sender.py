@@ -1,22 +1,25 @@
-"""The per-request KV sender: its state machine and the commands it hands the transfer thread.
+"""The per-request KV sender: its state machine, and the queue of commands it hands the
+transfer thread.
 
-The scheduler thread calls `init`, `send` and `abort`; the backend's thread drives the
-transitions (`ready`, `succeed`, `fail`) as the decode side answers.
+The scheduler thread calls `init`, `send`, `poll` and `abort`; the backend's thread drives
+the transitions (`ready`, `wrote`, `succeed`, `fail`) as the decode side answers. A sender
+never calls its backend: it queues commands, which the backend's thread takes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import os
+import queue
 import threading
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from mpprefill.disagg.sender import KVPoll, KVSender
-
-if TYPE_CHECKING:
-    from mpprefill.disagg.transfer import TransferBackend
 
 logger = logging.getLogger(__name__)
 
@@ -33,25 +36,88 @@ class TransferCmd:
     swa_dst: torch.Tensor | None = None  # ... and in the decode pool
 
 
+class CommandQueue:
+    """Commands for the transfer thread, in order, and a pipe that wakes its poll.
+
+    `fence` (the worker's `kv_fence`, optional): each send's command is queued with the
+    forward its pages need (`fence.required`), named on the scheduler thread.
+    """
+
+    def __init__(self, fence=None) -> None:
+        self.fence = fence
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake_fd, self._wake_w = os.pipe()
+        for fd in (self.wake_fd, self._wake_w):
+            os.set_blocking(fd, False)
+
+    def put(self, cmd: TransferCmd | None) -> None:
+        """Queue `cmd` (None: stop the thread) and wake the thread."""
+        fenced = self.fence is not None and cmd is not None and cmd.kind == "send"
+        self._cmds.put((cmd, self.fence.required(cmd.src) if fenced else 0))
+        with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
+            os.write(self._wake_w, b"\0")
+
+    def get(self) -> tuple[TransferCmd | None, int]:
+        """The next command and the forward it waits for (0: none); queue.Empty if none."""
+        return self._cmds.get_nowait()
+
+    def clear_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.wake_fd, 4096):
+                pass
+
+    def close(self) -> None:
+        for fd in (self.wake_fd, self._wake_w):
+            os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class SenderLimits:
+    """What every sender of one backend checks against."""
+
+    num_pages: int  # pages of the prefill pool the sources are in
+    swa_num_pages: int | None  # ... of its sliding-window pool (None: it has none)
+    answer_timeout: float  # seconds the decode side has to answer a bootstrap or final send
+
+
 class TransferSender(KVSender):
     """Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed.
 
-    Either thread changes `state` under the lock; `poll` only reads it.
+    Either thread changes `state` under the lock. `poll` fails a sender that has waited
+    for the decode side longer than `answer_timeout`: for the bootstrap reply (counted
+    from its creation) or for the ack of its final send (counted from that send).
     """
 
-    def __init__(self, backend: TransferBackend, rid: str, room: int | None) -> None:
-        self.rid, self.room, self.state = rid, room, KVPoll.Bootstrapping
+    def __init__(
+        self, rid: str, room: int | None, commands: CommandQueue, limits: SenderLimits
+    ) -> None:
+        self.rid = rid
+        self.room = room
+        self.state = KVPoll.Bootstrapping
         self.num_pages: int | None = None
         self.dst_pages: torch.Tensor | None = None  # the room's pages in the decode pool
         self.target = None  # the decode pool those pages are in, as the backend opened it
-        self.decode_prefix_len = self._prefix_pages = 0
+        self.decode_prefix_len = 0
         self.pages_sent = 0  # pages written so far (transfer thread)
-        self.deadline = self.next_try = 0.0  # bootstrap timing (transfer thread)
-        self._backend, self._error, self._lock = backend, None, threading.Lock()
-        self._queued, self._last_queued = 0, False
+        self._prefix_pages = 0
+        self._commands = commands
+        self._limits = limits
+        self._answer_by = time.monotonic() + limits.answer_timeout
+        self._error: str | None = None
+        self._lock = threading.Lock()
+        self._queued = 0
+        self._last_queued = False
 
     def poll(self) -> KVPoll:
+        if self.is_live and time.monotonic() > self._answer_by:
+            self.abort(self._overdue_reason())
         return self.state
+
+    def _overdue_reason(self) -> str:
+        timeout = self._limits.answer_timeout
+        if self.state == KVPoll.Bootstrapping:
+            return f"bootstrap timed out after {timeout:.1f} s"
+        return f"no answer from the decode side within {timeout:.1f}s"
 
     def init(self, num_pages: int, aux_index: int | None = None) -> None:
         self.num_pages = num_pages
@@ -66,20 +132,28 @@ class TransferSender(KVSender):
             raise RuntimeError(f"room {self.room}: send before bootstrap and init")
         src = torch.as_tensor(page_indices, dtype=torch.int64).flatten().cpu().clone()
         self._check_send(len(src), last, first_token)
-        check_range(src, self._backend.layout.num_pages, "source")
+        check_range(src, self._limits.num_pages, "source")
         swa = None if state_indices is None else self._window(state_indices, last)
         if self.state == KVPoll.Failed:
             return
+        cmd = TransferCmd("send", self, src, self._next_dst(len(src)), last, first_token)
+        if swa is not None:
+            cmd.swa_src, cmd.swa_dst = swa
+        self._queue_send(cmd)
+
+    def _next_dst(self, num_pages: int) -> torch.Tensor:
         start = self._prefix_pages + self._queued
-        dst = self.dst_pages[start : start + len(src)]
-        self._queued, self._last_queued = self._queued + len(src), last
+        return self.dst_pages[start : start + num_pages]
+
+    def _queue_send(self, cmd: TransferCmd) -> None:
+        self._queued += len(cmd.src)
+        self._last_queued = cmd.last
         with self._lock:
             if self.state == KVPoll.WaitingForInput:
                 self.state = KVPoll.Transferring
-        cmd = TransferCmd("send", self, src, dst, last, first_token)
-        if swa is not None:
-            cmd.swa_src, cmd.swa_dst = swa
-        self._backend.enqueue(cmd)
+            if cmd.last:  # from now on the decode side is to answer
+                self._answer_by = time.monotonic() + self._limits.answer_timeout
+        self._commands.put(cmd)
 
     def _window(self, state_indices, last: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(SWA source pages, decode pages) of the last window: `state_indices` are the SWA
@@ -93,7 +167,7 @@ class TransferSender(KVSender):
         swa = torch.as_tensor(state_indices, dtype=torch.int64).flatten().cpu().clone()
         if not last:
             raise ValueError(f"room {self.room}: window pages go with the last send")
-        if self._backend.swa_planes is None:
+        if self._limits.swa_num_pages is None:
             raise ValueError(f"room {self.room}: window pages but the pool has no SWA layers")
         first = len(self.dst_pages) - len(swa)
         if first < 0:
@@ -102,7 +176,7 @@ class TransferSender(KVSender):
             self.abort("a page of the last window has no sliding-window KV")
             return None
         skip = max(0, self._prefix_pages - first)
-        check_range(swa, self._backend.swa_planes.num_pages, "SWA source")
+        check_range(swa, self._limits.swa_num_pages, "SWA source")
         return swa[skip:], self.dst_pages[first + skip :]
 
     def _check_send(self, n: int, last: bool, first_token: int | None) -> None:
@@ -116,7 +190,7 @@ class TransferSender(KVSender):
 
     def abort(self, reason: str = "aborted") -> None:
         if self.fail(reason):
-            self._backend.enqueue(TransferCmd("abort", self))
+            self._commands.put(TransferCmd("abort", self))
 
     def failure_reason(self) -> str:
         return self._error or "transfer failed"
@@ -135,9 +209,18 @@ class TransferSender(KVSender):
 
     def ready(self, target, dst_pages: torch.Tensor, prefix_len: int, prefix_pages: int) -> None:
         with self._lock:
-            if self.state == KVPoll.Bootstrapping:
-                self.target, self.dst_pages, self.decode_prefix_len = target, dst_pages, prefix_len
-                self._prefix_pages, self.state = prefix_pages, KVPoll.WaitingForInput
+            if self.state != KVPoll.Bootstrapping:
+                return
+            self.target = target
+            self.dst_pages = dst_pages
+            self.decode_prefix_len = prefix_len
+            self._prefix_pages = prefix_pages
+            self._answer_by = math.inf  # the scheduler is to act now, not the decode side
+            self.state = KVPoll.WaitingForInput
+
+    def wrote(self, num_pages: int) -> None:
+        """The transfer thread wrote `num_pages` more of the room's pages."""
+        self.pages_sent += num_pages
 
     def succeed(self) -> None:
         with self._lock:
@@ -149,7 +232,8 @@ class TransferSender(KVSender):
         with self._lock:
             if not self.is_live:
                 return False
-            self._error, self.state = reason, KVPoll.Failed
+            self._error = reason
+            self.state = KVPoll.Failed
         logger.info("room %s (%s): transfer failed: %s", self.room, self.rid, reason)
         return True
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import ipc
-from mpprefill.disagg.decode import DecodeReceiver
-from mpprefill.disagg.decode_args import DecodeArgs
+from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.disagg.decode.delay import TransferDelay
+from mpprefill.disagg.decode.receiver import DecodeReceiver
 from tests.disagg.helpers import PAGE, Router, serving
 
 pytestmark = pytest.mark.timeout(30)
@@ -103,3 +106,22 @@ def test_close_answers_live_rooms():
         rx.step(1000)
         rx.close()
         assert r.recv() == {"rid": "live", "status": "error", "error": "decode shut down"}
+
+
+def test_a_test_delay_holds_only_the_rooms_it_names():
+    rx = DecodeReceiver(DecodeArgs(port=0), delay=TransferDelay(ms=300, every=2))
+    with serving(rx), Router(rx.address) as router, Router(rx.address) as prefill:
+        for room in (10, 11):
+            router.register(f"d{room}", room, [1] * PAGE)
+        router.sync()
+        for room in (10, 11):
+            prefill.send({"type": "bootstrap", "room": room})
+            assert prefill.recv()["status"] == "ready"
+        t0 = time.monotonic()
+        for room in (10, 11):
+            prefill.send({"type": "transfer_done", "room": room, "first_token": 1, "num_pages": 1})
+        assert prefill.recv() == {"type": "ack", "room": 11, "ok": True, "error": None}
+        assert router.recv()["rid"] == "d11"  # before room 10, which was done first
+        assert prefill.recv() == {"type": "ack", "room": 10, "ok": True, "error": None}
+        assert router.recv()["rid"] == "d10"
+        assert time.monotonic() - t0 >= 0.3

@@ -103,6 +103,28 @@ def rt_done(rid: str, p: Prompt) -> dict:
     }
 
 
+def test_a_decode_that_never_acks_fails_the_sender(pool, room):
+    """The decode side answers pings and the bootstrap but holds the ack past the deadline."""
+    _, prompts = pool
+    p, r = prompts[0], room()
+    d = DecodeProc("--test-transfer-delay-ms", "20000").wait_ready()
+    b = make_transfer("shm", pool[0], PAGE, d.address, bootstrap_timeout=1.0)
+    try:
+        with Router(d.address) as rt:
+            rt.register("slow", r, p.ids)
+            s = b.create_sender(FakeReq("slow", r, len(p.ids)))
+            bootstrap(s, p)
+            send_chunks(s, p)
+            sent = time.monotonic()
+            assert wait_state(s, DONE, timeout=5) == KVPoll.Failed
+            assert time.monotonic() - sent >= 1.0
+            assert s.failure_reason() == "no answer from the decode side within 1.0s"
+            assert rt.recv() == {"rid": "slow", "status": "error", "error": "aborted"}
+    finally:
+        b.close()
+        assert not d.close()
+
+
 def test_decode_killed_mid_run(pool, room):
     kv, prompts = pool
     d = DecodeProc().wait_ready()

@@ -14,8 +14,8 @@ import pytest
 import ipc
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.decode import DecodeReceiver
-from mpprefill.disagg.decode_args import DecodeArgs
+from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.disagg.decode.receiver import DecodeReceiver
 from mpprefill.disagg.mooncake_backend import MooncakeUnavailable, start_engine
 from mpprefill.disagg.planes import window_first_page
 from mpprefill.memory.allocator import cdiv
@@ -87,14 +87,15 @@ def test_scheduler_sends_only_the_last_window(receiver):
     worker, config = make_worker(args, "overlap")
     assert config.has_sliding_layers
     transfer = make_transfer(backend, worker.kv_cache, PAGE, receiver.address)
-    windows, enqueue = {}, transfer.enqueue
+    windows = {}
+    put = transfer.commands.put
 
     def spy(cmd):  # the window pages each request's last send carries
         if cmd is not None and cmd.swa_src is not None:
             windows[cmd.sender.rid] = len(cmd.swa_src)
-        enqueue(cmd)
+        put(cmd)
 
-    transfer.enqueue = spy
+    transfer.commands.put = spy
     try:
         s = Scheduler(args, config, worker, transfer)
         dropped, free_swa = [], s.allocator.free_swa

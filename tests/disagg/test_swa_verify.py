@@ -1,23 +1,22 @@
 """A sliding-window model's last window over shm to a `--verify` decode subprocess: it
-passes, a damaged or too wide window fails; the verify check and the sender's pairing of
-window pages, alone."""
+passes, a damaged or too wide window fails; the verify check alone."""
 
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mpprefill.config import ServerArgs
-from mpprefill.disagg import protocol as P
+from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.decode_args import DecodeArgs, add_decode_args
-from mpprefill.disagg.decode_verify import check_kv, reference_kv
+from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.disagg.decode.cli import add_decode_args
+from mpprefill.disagg.decode.verify import check_kv, reference_kv
 from mpprefill.disagg.planes import plane_view, pool_planes, window_swa_pages
 from mpprefill.disagg.sender import KVPoll
-from mpprefill.disagg.transfer_sender import TransferSender
+from mpprefill.flags import from_namespace
 from mpprefill.memory.swa_allocator import SwaPagedAllocator
 from tests.disagg.helpers import PAGE, DecodeProc, FakeReq, Router, bootstrap, wait_state
 from tests.disagg.swa_helpers import SWA_FLAGS, WINDOW, filled_swa_pool, send_swa_chunks, swa_model
@@ -119,48 +118,18 @@ def test_window_swa_pages_reads_the_allocator():
     assert window_swa_pages(alloc, row, 100, WINDOW).tolist()[0] == -1
 
 
-def _sender(dst_pages: int, prefix_pages: int):
-    cmds = []
-    layout = P.PoolLayout("float32", 4, 64 * PAGE, 2, 32, PAGE)
-    backend = SimpleNamespace(layout=layout, swa_planes=SimpleNamespace(num_pages=8))
-    backend.enqueue = cmds.append
-    s = TransferSender(backend, "r", 1)
-    s.ready(None, torch.arange(10, 10 + dst_pages), prefix_pages * PAGE, prefix_pages)
-    s.init(dst_pages - prefix_pages)
-    return s, cmds
-
-
-def test_window_pages_pair_with_the_rooms_last_pages():
-    s, cmds = _sender(6, 0)
-    s.send(torch.arange(5), last=False)
-    s.send(torch.tensor([5]), last=True, first_token=1, state_indices=torch.tensor([7, 3]))
-    assert cmds[-1].swa_src.tolist() == [7, 3] and cmds[-1].swa_dst.tolist() == [14, 15]
-    s, cmds = _sender(6, 3)  # the decode holds pages 0-2: window pages there are skipped
-    s.send(torch.arange(3), last=True, first_token=1, state_indices=torch.arange(4))
-    assert cmds[-1].swa_src.tolist() == [1, 2, 3] and cmds[-1].swa_dst.tolist() == [13, 14, 15]
-
-
-def test_window_page_without_swa_kv_fails_the_request():
-    s, _ = _sender(2, 0)
-    with pytest.raises(ValueError):
-        s.send(torch.arange(1), last=False, state_indices=torch.tensor([1]))  # not the last
-    s.send(torch.arange(1), last=False)
-    s.send(torch.tensor([1]), last=True, first_token=1, state_indices=torch.tensor([-1, 2]))
-    assert s.poll() == KVPoll.Failed and "no sliding-window KV" in s.failure_reason()
-
-
 def test_layout_counts_every_model_layer(swa_pool):
     kv, _ = swa_pool
-    layout = P.PoolLayout.of(kv.buffer, PAGE, kv.num_layers)
+    layout = wire.PoolLayout.of(kv.buffer, PAGE, kv.num_layers)
     assert layout.num_layers == 4 and kv.buffer.shape[1] == 2
-    decode = P.PoolLayout("float32", 4, 128 * PAGE, *kv.buffer.shape[3:], PAGE)
+    decode = wire.PoolLayout("float32", 4, 128 * PAGE, *kv.buffer.shape[3:], PAGE)
     assert layout.mismatch(decode) is None
 
 
 def test_decode_swa_flags_are_the_servers():
     ap = argparse.ArgumentParser()
     add_decode_args(ap)
-    args = DecodeArgs.from_namespace(ap.parse_args([*SWA_FLAGS]))
+    args = from_namespace(DecodeArgs, ap.parse_args([*SWA_FLAGS]))
     assert (args.sliding_window, args.swa_layers) == (WINDOW, "sf")
     helps = {a.dest: a.help for a in ap._actions}
     server = ServerArgs.__dataclass_fields__

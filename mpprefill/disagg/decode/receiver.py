@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from mpprefill.disagg import protocol as P
+from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_decode_pool
-from mpprefill.disagg.decode_args import DecodeArgs, add_decode_args, main, run_decode  # noqa: F401 - re-exported
-from mpprefill.disagg.decode_delay import DeliveryDelay
-from mpprefill.disagg.decode_verify import KVVerifier, compare_kv, reference_kv  # noqa: F401 - re-exported
+from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.disagg.decode.delay import TransferDelay
+from mpprefill.disagg.decode.verify import KVVerifier
 from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig
@@ -44,13 +44,15 @@ class Room:
 
 
 class DecodeReceiver:
-    def __init__(self, args: DecodeArgs) -> None:
+    def __init__(self, args: DecodeArgs, delay: TransferDelay | None = None) -> None:
+        """`delay` (test only): hold finished rooms' answers a while (decode/delay.py)."""
         self.args = args
+        self.delay = delay or TransferDelay()
         config = ModelConfig.tiny() if args.model_path is None else read_config(args.model_path)
         layers, heads, dim = KVCache.model_dims(config)
         num_pages = args.max_total_tokens // args.page_size
         dtype_name = str(config.torch_dtype).removeprefix("torch.")
-        self.layout = P.PoolLayout(
+        self.layout = wire.PoolLayout(
             dtype_name, layers, num_pages * args.page_size, heads, dim, args.page_size
         )
         self.verifier = KVVerifier(args) if args.verify else None  # first: bad flags leak no pool
@@ -59,10 +61,10 @@ class DecodeReceiver:
         self._pool_desc = self.pool.describe()
         self.allocator = PagedTokenAllocator(num_pages, args.page_size)
         self.rooms: dict[int, Room] = {}
-        self.pending: deque[tuple[P.Register, bytes, float]] = deque()
+        self.pending: deque[tuple[wire.Register, bytes, float]] = deque()
         self.draining: dict[int, tuple[torch.Tensor, float]] = {}
         self._checks: list[tuple[Room, int, Future]] = []
-        self.delay = DeliveryDelay(args.test_transfer_delay_ms, args.test_transfer_delay_every)
+        self._held: deque[tuple[float, Room, wire.RouterReply]] = deque()  # due, room, answer
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
@@ -91,7 +93,7 @@ class DecodeReceiver:
 
     def serve_forever(self) -> None:
         while not self._stop.is_set():
-            self.step(10 if self._checks or self.delay.pending else 100)
+            self.step(10 if self._checks or self._held else 100)
 
     def step(self, timeout_ms: int) -> None:
         if self.sock.poll(timeout_ms):
@@ -102,7 +104,7 @@ class DecodeReceiver:
                     break
                 self._on_frames(frames)
         self._collect_checks()
-        self.delay.run_due(now := time.monotonic())
+        self._release_held(now := time.monotonic())
         self._expire(now)
 
     def stop(self) -> None:
@@ -113,11 +115,11 @@ class DecodeReceiver:
         if self.verifier is not None:
             self.verifier.close()
         for room in list(self.rooms.values()):
-            self._send(room.router, P.RouterReply(room.rid, "error", error="decode shut down"))
+            self._send(room.router, wire.RouterReply(room.rid, "error", error="decode shut down"))
             if room.peer is not None:
-                self._send(room.peer, P.Abort(room.room))
+                self._send(room.peer, wire.Abort(room.room))
         for reg, ident, _ in self.pending:
-            self._send(ident, P.RouterReply(reg.rid, "error", error="decode shut down"))
+            self._send(ident, wire.RouterReply(reg.rid, "error", error="decode shut down"))
         self.sock.close()
         self._ctx.term()
         self.pool.close()
@@ -127,35 +129,35 @@ class DecodeReceiver:
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
             logger.warning("malformed message of %d frames", len(frames) - 1)
-            self._send(frames[0], P.ErrorReply("one JSON frame per message"))
+            self._send(frames[0], wire.ErrorReply("one JSON frame per message"))
             return
         ident, frame = frames
         try:
-            msg = P.decode(frame)
-        except P.ProtocolError as e:
+            msg = wire.decode(frame)
+        except wire.WireError as e:
             logger.warning("malformed frame: %s", e)
-            reply = P.RouterReply(e.rid, "error", error=str(e)) if e.rid else None
-            self._send(ident, reply or P.ErrorReply(f"malformed frame: {e}", e.room))
+            reply = wire.RouterReply(e.rid, "error", error=str(e)) if e.rid else None
+            self._send(ident, reply or wire.ErrorReply(f"malformed frame: {e}", e.room))
             return
         handler = self._HANDLERS.get(type(msg))
         if handler is None:
-            self._send(ident, P.ErrorReply(f"unexpected {type(msg).__name__} message"))
+            self._send(ident, wire.ErrorReply(f"unexpected {type(msg).__name__} message"))
         else:
             handler(self, ident, msg)
 
-    def _on_register(self, ident: bytes, msg: P.Register) -> None:
+    def _on_register(self, ident: bytes, msg: wire.Register) -> None:
         r = msg.bootstrap_room
         if (
             r in self.rooms
             or r in self.draining
             or any(p.bootstrap_room == r for p, *_ in self.pending)
         ):
-            self._send(ident, P.RouterReply(msg.rid, "error", error=f"room {r} is in use"))
+            self._send(ident, wire.RouterReply(msg.rid, "error", error=f"room {r} is in use"))
             return
         need = cdiv(len(msg.input_ids), self.args.page_size)
         if need > self.allocator.num_pages:
             error = f"prompt needs {need} pages, the pool has {self.allocator.num_pages}"
-            self._send(ident, P.RouterReply(msg.rid, "error", error=error))
+            self._send(ident, wire.RouterReply(msg.rid, "error", error=error))
             return
         self.pending.append((msg, ident, time.monotonic() + self.args.register_timeout))
         self._admit_pending()
@@ -172,37 +174,37 @@ class DecodeReceiver:
             r = msg.bootstrap_room
             self.rooms[r] = Room(msg.rid, r, ident, msg.input_ids, pages)
 
-    def _on_bootstrap(self, ident: bytes, msg: P.Bootstrap) -> None:
+    def _on_bootstrap(self, ident: bytes, msg: wire.Bootstrap) -> None:
         room = self.rooms.get(msg.room)
         if room is None:
-            self._send(ident, P.BootstrapReply(msg.room, "unknown"))
+            self._send(ident, wire.BootstrapReply(msg.room, "unknown"))
             return
         room.peer = ident
         pages = room.pages.tolist()
         self._send(
-            ident, P.BootstrapReply(msg.room, "ready", self._pool_desc, pages, room.prefix_len)
+            ident, wire.BootstrapReply(msg.room, "ready", self._pool_desc, pages, room.prefix_len)
         )
 
-    def _on_transfer_done(self, ident: bytes, msg: P.TransferDone) -> None:
+    def _on_transfer_done(self, ident: bytes, msg: wire.TransferDone) -> None:
         room = self.rooms.get(msg.room)
         if room is None or room.verifying:
-            self._send(ident, P.Ack(msg.room, False, f"room {msg.room} is not receiving"))
+            self._send(ident, wire.Ack(msg.room, False, f"room {msg.room} is not receiving"))
             return
         room.peer = ident
         expected = len(room.pages) - room.prefix_len // self.args.page_size
         if msg.num_pages != expected:
             error = f"{msg.num_pages} pages arrived, {expected} expected"
-            self._send(ident, P.Ack(msg.room, False, error))
-            self._finish(room, P.RouterReply(room.rid, "error", error=error))
+            self._send(ident, wire.Ack(msg.room, False, error))
+            self._finish(room, wire.RouterReply(room.rid, "error", error=error))
         elif self.verifier is not None:
             room.verifying = True
             received = self._received_kv(room)
             future = self.verifier.submit(room.input_ids, room.prefix_len, received)
             self._checks.append((room, msg.first_token, future))
         else:
-            self._deliver(room, msg.first_token, None, None)
+            self._deliver(room, wire.RouterReply(room.rid, "done", msg.first_token))
 
-    def _on_abort(self, ident: bytes, msg: P.Abort) -> None:
+    def _on_abort(self, ident: bytes, msg: wire.Abort) -> None:
         r = msg.room
         if r in self.draining:
             self.allocator.free(self.draining.pop(r)[0] * self.args.page_size)
@@ -210,45 +212,54 @@ class DecodeReceiver:
         elif r in self.rooms:
             room = self.rooms[r]
             by_router = ident == room.router and room.peer not in (None, ident)
-            reply = P.RouterReply(room.rid, "error", error="aborted")
+            reply = wire.RouterReply(room.rid, "error", error="aborted")
             self._finish(room, reply, drain=by_router)
         elif any(p.bootstrap_room == r for p, *_ in self.pending):
             reg, router, _ = next(p for p in self.pending if p[0].bootstrap_room == r)
             self.pending = deque(p for p in self.pending if p[0].bootstrap_room != r)
-            self._send(router, P.RouterReply(reg.rid, "error", error="aborted"))
+            self._send(router, wire.RouterReply(reg.rid, "error", error="aborted"))
         else:
-            self._send(ident, P.ErrorReply(f"unknown room {r}", r))
+            self._send(ident, wire.ErrorReply(f"unknown room {r}", r))
 
-    def _on_ping(self, ident: bytes, msg: P.Ping) -> None:
-        self._send(ident, P.Pong())
+    def _on_ping(self, ident: bytes, msg: wire.Ping) -> None:
+        self._send(ident, wire.Pong())
 
     _HANDLERS = {
-        P.Register: _on_register,
-        P.Bootstrap: _on_bootstrap,
-        P.TransferDone: _on_transfer_done,
-        P.Abort: _on_abort,
-        P.Ping: _on_ping,
+        wire.Register: _on_register,
+        wire.Bootstrap: _on_bootstrap,
+        wire.TransferDone: _on_transfer_done,
+        wire.Abort: _on_abort,
+        wire.Ping: _on_ping,
     }
 
     # ---- room endings --------------------------------------------------------------------
 
-    def _deliver(self, room: Room, first_token: int, verified, max_abs_err, held=False) -> None:
-        again = lambda: self._deliver(room, first_token, verified, max_abs_err, True)  # noqa: E731
-        if self.rooms.get(room.room) is not room or (
-            not held and self.delay.hold(room.room, again)
-        ):
-            return  # ended while held, or held now (test-only --test-transfer-delay-ms)
+    def _deliver(self, room: Room, reply: wire.RouterReply) -> None:
+        """Answer a room whose KV arrived: now, or once its test delay is over."""
+        hold = self.delay.seconds(room.room)
+        if hold > 0:
+            self._held.append((time.monotonic() + hold, room, reply))
+        else:
+            self._answer(room, reply)
+
+    def _release_held(self, now: float) -> None:
+        # NOTE: every hold is equally long, so the deque is in order of due time.
+        while self._held and self._held[0][0] <= now:
+            _, room, reply = self._held.popleft()
+            if self.rooms.get(room.room) is room:  # not ended while held
+                self._answer(room, reply)
+
+    def _answer(self, room: Room, reply: wire.RouterReply) -> None:
         if room.peer is not None:
-            self._send(room.peer, P.Ack(room.room, True))
-        reply = P.RouterReply(room.rid, "done", first_token, verified, max_abs_err)
+            self._send(room.peer, wire.Ack(room.room, True))
         self._finish(room, reply)
 
-    def _finish(self, room: Room, reply: P.RouterReply, drain: bool = False) -> None:
+    def _finish(self, room: Room, reply: wire.RouterReply, drain: bool = False) -> None:
         """Answer the router and free the pages (after the prefill confirms, when drain)."""
         self.rooms.pop(room.room, None)
         self._send(room.router, reply)
         if drain:
-            self._send(room.peer, P.Abort(room.room))
+            self._send(room.peer, wire.Abort(room.room))
             self.draining[room.room] = (room.pages, time.monotonic() + _DRAIN_S)
             return
         self.allocator.free(room.pages * self.args.page_size)
@@ -258,14 +269,14 @@ class DecodeReceiver:
         for msg, ident, deadline in [p for p in self.pending if p[2] < now]:
             self.pending.remove((msg, ident, deadline))
             error = f"no free receive pages within {self.args.register_timeout:.1f} s"
-            self._send(ident, P.RouterReply(msg.rid, "error", error=error))
+            self._send(ident, wire.RouterReply(msg.rid, "error", error=error))
         for r in [r for r, (_, deadline) in self.draining.items() if deadline < now]:
             self.allocator.free(self.draining.pop(r)[0] * self.args.page_size)
             self._admit_pending()
 
-    def _send(self, ident: bytes, msg: P.Message) -> None:
+    def _send(self, ident: bytes, msg: wire.Message) -> None:
         try:
-            self.sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
+            self.sock.send_multipart([ident, wire.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             logger.warning("could not answer %s: %s", type(msg).__name__, e)
 
@@ -282,13 +293,14 @@ class DecodeReceiver:
         for room, first_token, future in done:
             if self.rooms.get(room.room) is not room:
                 continue  # aborted meanwhile
-            try:
-                verified, err = future.result()
-            except Exception:
-                logger.exception("verification of room %d failed", room.room)
-                verified, err = False, None
-            self._deliver(room, first_token, verified, err)
+            verified, err = _verdict(room, future)
+            self._deliver(room, wire.RouterReply(room.rid, "done", first_token, verified, err))
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def _verdict(room: Room, future: Future) -> tuple[bool, float | None]:
+    """(KV close enough, max abs error) of a finished check; a check that raised fails."""
+    try:
+        return future.result()
+    except Exception:
+        logger.exception("verification of room %d failed", room.room)
+        return False, None

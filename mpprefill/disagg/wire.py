@@ -1,4 +1,5 @@
-"""JSON messages between the router, the decode receiver and the prefill transfer backend.
+"""The disagg wire: JSON messages between the router, the decode receiver and the prefill
+transfer backend, and their one codec (`encode`, `decode`).
 
 One JSON object per ZeroMQ frame; nothing is pickled. Every message but the router reply
 carries a "type"; the router reply has the shape of the server's reply to its client.
@@ -30,12 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class ProtocolError(ValueError):
+class WireError(ValueError):
     """A frame that is not a valid message; rid/room are kept when they were readable."""
 
     def __init__(self, message: str, rid: str | None = None, room: int | None = None):
         super().__init__(message)
-        self.rid, self.room = rid, room
+        self.rid = rid
+        self.room = room
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +69,7 @@ class PoolLayout:
     @classmethod
     def from_dict(cls, d: Any) -> PoolLayout:
         if not isinstance(d, dict):
-            raise ProtocolError("pool layout must be an object")
+            raise WireError("pool layout must be an object")
         kw = {f.name: d.get(f.name) for f in dataclasses.fields(cls)}
         checks = {k: _str if k == "dtype" else lambda v, k: _int(v, k, minimum=1) for k in kw}
         return cls(**{k: checks[k](v, f"layout.{k}") for k, v in kw.items()})
@@ -164,33 +166,33 @@ Message = (
 
 def _int(v: Any, name: str, minimum: int = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ProtocolError(f"{name} must be an integer >= {minimum}, got {v!r}")
+        raise WireError(f"{name} must be an integer >= {minimum}, got {v!r}")
     return v
 
 
 def _str(v: Any, name: str) -> str:
     if not isinstance(v, str):
-        raise ProtocolError(f"{name} must be a string, got {v!r}")
+        raise WireError(f"{name} must be a string, got {v!r}")
     return v
 
 
 def _ints(v: Any, name: str) -> list[int]:
     if not isinstance(v, list):
-        raise ProtocolError(f"{name} must be a list of integers")
+        raise WireError(f"{name} must be a list of integers")
     return [_int(x, name) for x in v]
 
 
 def _tokens(v: Any, name: str) -> list[int]:
     ids = _ints(v, name)
     if not ids:
-        raise ProtocolError(f"{name} must not be empty")
+        raise WireError(f"{name} must not be empty")
     return ids
 
 
 def _choice(*allowed: str) -> Callable[[Any, str], str]:
     def check(v: Any, name: str) -> str:
         if v not in allowed:
-            raise ProtocolError(f"{name} must be one of {allowed}, got {v!r}")
+            raise WireError(f"{name} must be one of {allowed}, got {v!r}")
         return v
 
     return check
@@ -205,7 +207,7 @@ def _typed(*types: type) -> Callable[[Any, str], Any]:
 
     def check(v: Any, name: str) -> Any:
         if isinstance(v, bool) != (bool in types) or not isinstance(v, types):
-            raise ProtocolError(f"{name} must be {'/'.join(t.__name__ for t in types)}: {v!r}")
+            raise WireError(f"{name} must be {'/'.join(t.__name__ for t in types)}: {v!r}")
         return v
 
     return check
@@ -259,17 +261,17 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(frame: bytes) -> Message:
-    """Parse and validate one frame; ProtocolError (with rid/room when readable) otherwise."""
+    """Parse and validate one frame; WireError (with rid/room when readable) otherwise."""
     try:
         obj = json.loads(frame)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ProtocolError(f"frame is not JSON: {type(e).__name__}") from None
+        raise WireError(f"frame is not JSON: {type(e).__name__}") from None
     if not isinstance(obj, dict):
-        raise ProtocolError("frame is not a JSON object")
+        raise WireError("frame is not a JSON object")
     try:
         return _build(obj)
-    except ProtocolError as e:
-        raise ProtocolError(str(e), *_readable_ids(obj)) from None
+    except WireError as e:
+        raise WireError(str(e), *_readable_ids(obj)) from None
 
 
 def _build(obj: dict[str, Any]) -> Message:
@@ -279,11 +281,11 @@ def _build(obj: dict[str, Any]) -> Message:
     elif isinstance(kind, str) and kind in _S:
         cls, schema = _S[kind]
     else:
-        raise ProtocolError(f"unknown message type {kind!r}")
+        raise WireError(f"unknown message type {kind!r}")
     required = {f.name for f in dataclasses.fields(cls) if _required(f)}
     missing = sorted(required - set(obj))
     if missing:
-        raise ProtocolError(f"{kind or 'reply'}: missing fields {missing}")
+        raise WireError(f"{kind or 'reply'}: missing fields {missing}")
     return cls(**{name: check(obj[name], name) for name, check in schema.items() if name in obj})
 
 

@@ -1,4 +1,5 @@
-"""The JSON codec: round trips, validation, and what an error keeps of a bad frame."""
+"""The disagg wire codec: round trips, validation, and what an error keeps of a bad frame;
+the backend factories and the decode flags."""
 
 from __future__ import annotations
 
@@ -8,43 +9,45 @@ import json
 import pytest
 import torch
 
-from mpprefill.disagg import protocol as P
+from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_decode_pool, make_transfer
-from mpprefill.disagg.decode_args import DecodeArgs, add_decode_args
+from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.disagg.decode.cli import add_decode_args
 from mpprefill.disagg.sender import FakeTransfer
+from mpprefill.flags import from_namespace
 
-LAYOUT = P.PoolLayout("float32", 4, 64, 2, 32, 16)
+LAYOUT = wire.PoolLayout("float32", 4, 64, 2, 32, 16)
 
 MESSAGES = [
-    P.Register("r1", 7, [1, 2, 3]),
-    P.RouterReply("r1", "done", 42, True, 1e-6),
-    P.RouterReply("r1", "done", 42),
-    P.RouterReply("r1", "error", error="aborted"),
-    P.Bootstrap(7),
-    P.BootstrapReply(7, "unknown"),
-    P.BootstrapReply(7, "ready", {"kind": "shm", "layout": LAYOUT.to_dict()}, [3, 4], 0),
-    P.TransferDone(7, 42, 2),
-    P.Ack(7, False, "2 pages arrived, 3 expected"),
-    P.Abort(7),
-    P.Ping(),
-    P.Pong(),
-    P.ErrorReply("bad", 7),
+    wire.Register("r1", 7, [1, 2, 3]),
+    wire.RouterReply("r1", "done", 42, True, 1e-6),
+    wire.RouterReply("r1", "done", 42),
+    wire.RouterReply("r1", "error", error="aborted"),
+    wire.Bootstrap(7),
+    wire.BootstrapReply(7, "unknown"),
+    wire.BootstrapReply(7, "ready", {"kind": "shm", "layout": LAYOUT.to_dict()}, [3, 4], 0),
+    wire.TransferDone(7, 42, 2),
+    wire.Ack(7, False, "2 pages arrived, 3 expected"),
+    wire.Abort(7),
+    wire.Ping(),
+    wire.Pong(),
+    wire.ErrorReply("bad", 7),
 ]
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_round_trip(msg):
-    frame = P.encode(msg)
-    assert P.decode(frame) == msg
+    frame = wire.encode(msg)
+    assert wire.decode(frame) == msg
     obj = json.loads(frame)
-    assert ("type" in obj) != isinstance(msg, P.RouterReply)
+    assert ("type" in obj) != isinstance(msg, wire.RouterReply)
 
 
 def test_router_reply_shapes():
-    done = json.loads(P.encode(P.RouterReply("a", "done", 5, None, None)))
+    done = json.loads(wire.encode(wire.RouterReply("a", "done", 5, None, None)))
     assert done == {"rid": "a", "status": "done", "first_token": 5, "verified": None,
                     "max_abs_err": None}  # fmt: skip
-    assert json.loads(P.encode(P.RouterReply("a", "error", error="x"))) == {
+    assert json.loads(wire.encode(wire.RouterReply("a", "error", error="x"))) == {
         "rid": "a", "status": "error", "error": "x"}  # fmt: skip
 
 
@@ -63,25 +66,25 @@ def test_router_reply_shapes():
     ],
 )
 def test_invalid_messages_keep_readable_ids(obj, rid, room):
-    with pytest.raises(P.ProtocolError) as e:
-        P.decode(json.dumps(obj).encode())
+    with pytest.raises(wire.WireError) as e:
+        wire.decode(json.dumps(obj).encode())
     assert (e.value.rid, e.value.room) == (rid, room)
 
 
 @pytest.mark.parametrize("frame", [b"", b"\xff\xfe", b"nope", b"[]", b"3", b'"s"'])
 def test_non_objects_are_refused(frame):
-    with pytest.raises(P.ProtocolError):
-        P.decode(frame)
+    with pytest.raises(wire.WireError):
+        wire.decode(frame)
 
 
 def test_pool_layout():
-    assert P.PoolLayout.from_dict(LAYOUT.to_dict()) == LAYOUT
+    assert wire.PoolLayout.from_dict(LAYOUT.to_dict()) == LAYOUT
     assert LAYOUT.num_pages == 4
-    assert LAYOUT.mismatch(P.PoolLayout("float32", 4, 999, 2, 32, 16)) is None
-    assert "page_size" in LAYOUT.mismatch(P.PoolLayout("float32", 4, 64, 2, 32, 8))
-    assert P.PoolLayout.of(torch.zeros(2, 4, 64, 2, 32), 16) == LAYOUT
-    with pytest.raises(P.ProtocolError):
-        P.PoolLayout.from_dict({**LAYOUT.to_dict(), "num_layers": 0})
+    assert LAYOUT.mismatch(wire.PoolLayout("float32", 4, 999, 2, 32, 16)) is None
+    assert "page_size" in LAYOUT.mismatch(wire.PoolLayout("float32", 4, 64, 2, 32, 8))
+    assert wire.PoolLayout.of(torch.zeros(2, 4, 64, 2, 32), 16) == LAYOUT
+    with pytest.raises(wire.WireError):
+        wire.PoolLayout.from_dict({**LAYOUT.to_dict(), "num_layers": 0})
 
 
 def test_factories():
@@ -98,7 +101,7 @@ def test_decode_args_follow_the_dataclass():
     ap = argparse.ArgumentParser()
     add_decode_args(ap)
     ns = ap.parse_args(["--port", "0", "--page-size", "8", "--verify"])
-    args = DecodeArgs.from_namespace(ns)
+    args = from_namespace(DecodeArgs, ns)
     assert (args.port, args.page_size, args.verify, args.host) == (0, 8, True, "127.0.0.1")
     assert DecodeArgs().port == 30200 and DecodeArgs().disaggregation_transfer_backend == "shm"
     with pytest.raises(ValueError):

@@ -1,0 +1,51 @@
+"""The decode receiver's settings: one frozen dataclass whose fields are the flags of
+`mpprefill decode` (mpprefill.flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpprefill.config import ServerArgs
+from mpprefill.disagg.backends import DECODE_BACKENDS
+from mpprefill.disagg.decode.delay import TransferDelay
+from mpprefill.flags import _f
+
+
+def _server(name: str):
+    """The server's flag of that name: same default and help (the verify model's)."""
+    f = ServerArgs.__dataclass_fields__[name]
+    return _f(f.default, **f.metadata)
+
+
+@dataclass(frozen=True)
+class DecodeArgs:
+    host: str = _f("127.0.0.1", "address the decode socket binds to")
+    port: int = _f(30200, "decode socket port (0: any free port)")
+    page_size: int = _f(16, "tokens per receive page")
+    max_total_tokens: int = _f(16384, "receive pool capacity in tokens")
+    model_path: str | None = _f(None, "model dir (its dims size the pool; --verify runs it)")
+    random_seed: int = _f(0, "seed of the built-in model's weights")
+    verify: bool = _f(False, "recompute each prompt's KV and compare it to what arrived")
+    sliding_window: int | None = _server("sliding_window")
+    swa_layers: str | None = _server("swa_layers")
+    disaggregation_transfer_backend: str = _f("shm", "how KV arrives", choices=DECODE_BACKENDS)
+    register_timeout: float = _f(30.0, "seconds a registration may wait for free pages")
+    log_level: str = _f("info", "logging level")
+    test_transfer_delay_ms: float = _f(
+        0.0, "test only: hold each finished transfer's answer this long (see decode/delay.py)"
+    )
+    test_transfer_delay_every: int = _f(1, "test only: delay rooms whose number is a multiple")
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.max_total_tokens < self.page_size:
+            raise ValueError("--max-total-tokens must hold at least one page of --page-size")
+        if self.disaggregation_transfer_backend not in DECODE_BACKENDS:
+            raise ValueError(f"--disaggregation-transfer-backend: one of {DECODE_BACKENDS}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"--sliding-window must be positive, got {self.sliding_window}")
+        self.transfer_delay  # noqa: B018 - validates the test delay
+
+    @property
+    def transfer_delay(self) -> TransferDelay:
+        """The test delay the receiver is given (off unless --test-transfer-delay-ms)."""
+        return TransferDelay(self.test_transfer_delay_ms, self.test_transfer_delay_every)

@@ -1,0 +1,43 @@
+"""`mpprefill decode`: the receiver's flags, and serving until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+import ipc
+from mpprefill.disagg.decode import receiver
+from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.flags import add_flags, from_namespace
+
+
+def add_decode_args(ap: argparse.ArgumentParser) -> None:
+    add_flags(ap, DecodeArgs)
+
+
+def run_decode(ns: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM, then clean up."""
+    args = from_namespace(DecodeArgs, ns)
+    rx = receiver.DecodeReceiver(args, delay=args.transfer_delay)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: rx.stop())
+        ipc.install_signal_cleanup()
+    try:
+        rx.serve_forever()
+    finally:
+        rx.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mpprefill.disagg.decode`: the same command without the `mpprefill` CLI."""
+    ap = argparse.ArgumentParser(prog="mpprefill-decode", description=receiver.__doc__)
+    add_decode_args(ap)
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_decode(args)
