@@ -9,6 +9,8 @@ from typing import Any
 
 import zmq
 
+from mpprefill import protocol
+
 
 class Client:
     """DEALER socket speaking the JSON request protocol; one frame per message."""
@@ -29,19 +31,11 @@ class Client:
     def generate(
         self, rid: str, input_ids: list[int], bootstrap_room: int | None = None, **sampling
     ) -> None:
-        msg = {
-            "type": "generate",
-            "rid": rid,
-            "input_ids": input_ids,
-            "sampling_params": sampling or {"temperature": 0.0},
-        }
-        if bootstrap_room is not None:
-            msg["bootstrap_room"] = bootstrap_room
-        self.send(msg)
+        self.send_raw(protocol.generate_frame(rid, input_ids, sampling, bootstrap_room))
 
     def abort(self, rid: str) -> None:
         """No reply of its own when `rid` was live: the request's reply says it was aborted."""
-        self.send({"type": "abort", "rid": rid})
+        self.send_raw(protocol.abort_frame(rid))
 
     def recv(self, timeout: float = 30.0) -> dict[str, Any]:
         if not self.sock.poll(int(timeout * 1000)):

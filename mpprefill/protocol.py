@@ -133,6 +133,26 @@ def _abort(obj: dict[str, Any], rid: str | None) -> Abort:
 _PARSERS = {"generate": _generate, "abort": _abort, "stats": lambda o, rid: Stats(rid)}
 
 
+def generate_frame(
+    rid: str,
+    input_ids: list[int],
+    sampling_params: dict[str, Any] | None = None,
+    bootstrap_room: int | None = None,
+) -> bytes:
+    """A client's generate frame: greedy unless `sampling_params` says otherwise; no
+    `bootstrap_room` key when none is given."""
+    # NOTE: rid right after type, so `sniff_rid` can read it from an oversize frame's head.
+    msg = {"type": "generate", "rid": rid, "input_ids": input_ids}
+    msg["sampling_params"] = sampling_params or {"temperature": 0.0}
+    if bootstrap_room is not None:
+        msg["bootstrap_room"] = bootstrap_room
+    return _dump(msg)
+
+
+def abort_frame(rid: str) -> bytes:
+    return _dump({"type": "abort", "rid": rid})
+
+
 def _short(value: Any, limit: int = 80) -> str:
     """repr() for an error message, cut so a hostile value cannot bloat the reply."""
     text = repr(value)

@@ -18,7 +18,7 @@ from mpprefill.model import ForwardBatch, load_model
 from mpprefill.sampling import SamplingParams
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
-from mpprefill.worker.base import Worker
+from mpprefill.worker.api import Worker
 
 
 def forward_tokens_per_s(batch_tokens: int, repeats: int, req_len: int = 256) -> float:

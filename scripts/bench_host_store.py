@@ -18,8 +18,8 @@ from mpprefill.config import ServerArgs
 
 CONFIGS = {
     "no host store": dict(host_store_size=0),
-    "host store, batched staging": dict(disable_batched_staging=False),
-    "host store, per-request staging": dict(disable_batched_staging=True),
+    "host store, batched write-back": dict(disable_batched_writeback=False),
+    "host store, per-request write-back": dict(disable_batched_writeback=True),
 }
 
 

@@ -22,8 +22,9 @@ import os
 import sys
 import tempfile
 
-from chaos_phases import ChaosRun
+from chaoslib.run import ChaosRun
 
+from mpprefill.bench.procs import RUNTIME_ENV
 from mpprefill.config import FORWARD_MODES
 
 
@@ -79,6 +80,9 @@ def _fmt(d: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # NOTE: an ipc:// directory inherited from whoever started us would be shared with the
+    # server, and swept by our clean-up: the server must make its own.
+    os.environ.pop(RUNTIME_ENV, None)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="mpp-chaos-")
     os.makedirs(log_dir, exist_ok=True)
     run = ChaosRun(args, log_dir)

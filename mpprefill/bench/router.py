@@ -8,7 +8,18 @@ from dataclasses import dataclass
 
 import zmq
 
+from mpprefill import protocol
 from mpprefill.bench.workload import RequestSpec
+
+
+def dealer(ctx: zmq.Context, port: int) -> zmq.Socket:
+    """A DEALER to a local server; the receive queue is unbounded because a router reads
+    every reply as it comes, so ZeroMQ never holds one back."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
 
 
 @dataclass(slots=True)
@@ -39,25 +50,32 @@ class Router:
 
     def __init__(self, prefill_port: int, decode_port: int | None):
         self.ctx = zmq.Context.instance()
-        self.prefill = self._dealer(prefill_port)
-        self.decode = self._dealer(decode_port) if decode_port is not None else None
+        self.prefill = dealer(self.ctx, prefill_port)
+        self.decode = dealer(self.ctx, decode_port) if decode_port is not None else None
         self.poller = zmq.Poller()
         for s in (self.prefill, self.decode):
             if s is not None:
                 self.poller.register(s, zmq.POLLIN)
 
-    def _dealer(self, port: int) -> zmq.Socket:
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(f"tcp://127.0.0.1:{port}")
-        return s
+    def send_register(self, rid: str, room: int, input_ids: list[int]) -> None:
+        """Tell the decode side which request will fill `room`."""
+        msg = {"type": "register", "rid": rid, "bootstrap_room": room, "input_ids": input_ids}
+        self.decode.send(json.dumps(msg).encode())
+
+    def send_generate(self, rid: str, input_ids: list[int], room: int) -> None:
+        self.prefill.send(protocol.generate_frame(rid, input_ids, bootstrap_room=room))
+
+    def send_abort(self, rid: str) -> None:
+        self.prefill.send(protocol.abort_frame(rid))
 
     def run(
         self, specs: list[RequestSpec], room_base: int, timeout: float, on_complete=None
     ) -> list[ReqResult]:
         results = {s.rid: ReqResult(s.rid, len(s.input_ids), 0.0) for s in specs}
         rooms = {s.rid: room_base + i for i, s in enumerate(specs)}
-        pending, done, t0 = list(specs), 0, time.monotonic()
+        pending = list(specs)
+        done = 0
+        t0 = time.monotonic()
         deadline = t0 + timeout
         while done < len(specs):
             now = time.monotonic()
@@ -74,27 +92,8 @@ class Router:
     def _send(self, spec: RequestSpec, room: int, results: dict) -> None:
         results[spec.rid].t_send = time.monotonic()
         if self.decode is not None:
-            self.decode.send(
-                json.dumps(
-                    {
-                        "type": "register",
-                        "rid": spec.rid,
-                        "bootstrap_room": room,
-                        "input_ids": spec.input_ids,
-                    }
-                ).encode()
-            )
-        self.prefill.send(
-            json.dumps(
-                {
-                    "type": "generate",
-                    "rid": spec.rid,
-                    "input_ids": spec.input_ids,
-                    "bootstrap_room": room,
-                    "sampling_params": {"temperature": 0.0},
-                }
-            ).encode()
-        )
+            self.send_register(spec.rid, room, spec.input_ids)
+        self.send_generate(spec.rid, spec.input_ids, room)
 
     def _receive(self, sock, results: dict, on_complete) -> int:
         finished = 0
@@ -115,12 +114,15 @@ class Router:
     def _apply(self, r: ReqResult, reply: dict, from_decode: bool) -> None:
         now = time.monotonic()
         if reply.get("status") != "done":
-            r.status, r.error = "error", reply.get("error", "unknown error")
+            r.status = "error"
+            r.error = reply.get("error", "unknown error")
             return
         if from_decode:
-            r.t_decode, r.verified = now, reply.get("verified")
+            r.t_decode = now
+            r.verified = reply.get("verified")
         else:
-            r.t_prefill, r.cached_tokens = now, reply.get("cached_tokens", 0)
+            r.t_prefill = now
+            r.cached_tokens = reply.get("cached_tokens", 0)
             r.first_token = reply.get("first_token")
             if self.decode is None:
                 r.t_decode = now

@@ -6,7 +6,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from chaos_load import Hostile, Record
+from chaoslib.hostile import Hostile
+from chaoslib.workload import Record
 
 # serve exits 1 once its forward process died; without one it is stopped with SIGTERM
 EXPECTED_EXITS = (
@@ -62,7 +63,8 @@ def explain(rec: Record, reply: dict, f: Faults) -> str | None:
 
 def check_replies(records: list[Record], faults: Faults) -> dict:
     out = Counter()
-    unexplained, explained = [], Counter()
+    unexplained = []
+    explained = Counter()
     for rec in records:
         if len(rec.replies) != 1:
             out["not_one_reply"] += 1
@@ -84,7 +86,8 @@ def check_replies(records: list[Record], faults: Faults) -> dict:
 
 def check_decode(records: list[Record], faults: Faults) -> dict:
     """The decode side's answer agrees with the prefill's for every completed request."""
-    bad, missing = [], 0
+    bad = []
+    missing = 0
     for rec in records:
         done = [r for r in rec.replies if r.get("status") == "done"]
         if len(rec.decode_replies) > 1:
@@ -133,7 +136,8 @@ def check_tokens(records: list[Record], page_size: int, chunk: int, **model_kw) 
             part = prompts[i : i + 128]
             for p, o in zip(part, eng.prefill([list(p) for p in part], return_logits=True)):
                 ref[p] = (o.first_token, o.logits)
-    wrong, ties = [], 0
+    wrong = []
+    ties = 0
     for rec in done:
         got = rec.replies[0].get("first_token")
         want, logits = ref[tuple(rec.prompt)]
@@ -152,7 +156,8 @@ def check_tokens(records: list[Record], page_size: int, chunk: int, **model_kw) 
 
 def summarize(run, invariants: dict, exits: dict, leaks: dict) -> dict:
     """The run's figures and the verdict of every check."""
-    a, r = run.args, run.router
+    a = run.args
+    r = run.router
     records = list(r.records.values())
     replies = check_replies(records, run.faults)
     decode = check_decode(records, run.faults)

@@ -1,4 +1,8 @@
-"""The chaos run's workload: requests with their planned faults, and hostile frames."""
+"""Malformed and hostile frames for the chaos run, each with the answer the server owes it.
+
+They are written by hand rather than with `mpprefill.protocol`'s builders: most of them are
+frames no builder would make.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +11,6 @@ import random
 from dataclasses import dataclass, field
 
 from mpprefill import protocol
-
-VOCAB = 4096
-SLOW_EVERY = 1000  # rooms that are multiples of this are held by the decode side
-ABORT_STAGES = ("waiting", "bootstrapping", "mid-chunk", "transfer")
-
-
-@dataclass(slots=True)
-class Record:
-    """One generate request and everything that happened to it."""
-
-    rid: str
-    prompt: list[int]
-    room: int
-    kind: str  # normal | long | slow | burst | toolong | final
-    abort_stage: str | None = None  # the stage an abort was aimed at
-    abort_after: float = 0.0  # seconds after the send
-    register_after: float = 0.0  # decode registration delayed this long
-    t_send: float | None = None
-    t_abort: float | None = None
-    t_reply: float | None = None
-    outstanding_at_send: int = 0
-    replies: list[dict] = field(default_factory=list)  # prefill answers to the generate
-    unknown_abort_replies: int = 0  # "unknown rid" answers to our abort (it raced the end)
-    decode_replies: list[dict] = field(default_factory=list)
-    registered: bool = False
 
 
 @dataclass(slots=True)
@@ -43,62 +22,6 @@ class Hostile:
     rid: str | None
     expect: str = "error"  # error | stats | none (dropped by ZeroMQ with the connection)
     replies: list[dict] = field(default_factory=list)
-
-
-class Workload:
-    """Seeded prompts sharing system prefixes, so the prefix cache and eviction both work."""
-
-    def __init__(self, seed: int, pool_tokens: int):
-        self.rng = random.Random(seed)
-        self.pool_tokens = pool_tokens
-        self.systems = [self._ids(self.rng.randrange(32, 160)) for _ in range(12)]
-        self._n = 0
-        self._room = 0
-        self._slow_room = 0
-
-    def _ids(self, n: int) -> list[int]:
-        return [self.rng.randrange(1, VOCAB) for _ in range(n)]
-
-    def _next_room(self, slow: bool) -> int:
-        if slow:
-            self._slow_room += SLOW_EVERY
-            return self._slow_room
-        self._room += 1
-        if self._room % SLOW_EVERY == 0:
-            self._room += 1
-        return self._room
-
-    def request(self, kind: str = "normal", abort_p: float = 0.0, slow_p: float = 0.0) -> Record:
-        self._n += 1
-        if kind == "toolong":
-            prompt = self._ids(self.pool_tokens + self.rng.randrange(16, 200))
-        elif kind == "final":
-            prompt = self._ids(self.rng.randrange(200, 320))
-        else:
-            long = self.rng.random() < 0.15
-            kind = "long" if long and kind == "normal" else kind
-            system = self.rng.choice(self.systems)
-            prompt = system + self._ids(
-                self.rng.randrange(200, 480) if long else self.rng.randrange(4, 64)
-            )
-        slow = kind in ("normal", "long") and self.rng.random() < slow_p
-        rec = Record(f"c{self._n}", prompt, self._next_room(slow), "slow" if slow else kind)
-        boost = {"slow": 5.0, "long": 3.0}.get(rec.kind, 1.0)  # rarer kinds, same abort count
-        if kind not in ("toolong", "final") and self.rng.random() < abort_p * boost:
-            self._plan_abort(rec)
-        return rec
-
-    def _plan_abort(self, rec: Record) -> None:
-        """Aim an abort at a stage; the timing makes that stage the likely one."""
-        if rec.kind == "burst":
-            rec.abort_stage, rec.abort_after = "waiting", self.rng.uniform(0.0, 0.05)
-        elif rec.kind == "slow":
-            rec.abort_stage, rec.abort_after = "transfer", self.rng.uniform(0.5, 1.0)
-        elif rec.kind == "long":
-            rec.abort_stage, rec.abort_after = "mid-chunk", self.rng.uniform(0.02, 0.25)
-        else:
-            rec.abort_stage, rec.abort_after = "bootstrapping", self.rng.uniform(0.02, 0.15)
-            rec.register_after = rec.abort_after + 0.3  # the decode side hears of it late
 
 
 def hostile_frames(rng: random.Random, n: int) -> list[Hostile]:

@@ -8,18 +8,18 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections import Counter, deque
 
-import chaos_procs as procs
-from chaos_check import Faults, summarize
-from chaos_load import SLOW_EVERY, Record, Workload, hostile_frames
-from chaos_router import Router
-
-import ipc
-from mpprefill.bench.procs import runtime_dir_of, worker_pid
+from chaoslib import procs
+from chaoslib.check import Faults, summarize
+from chaoslib.hostile import hostile_frames
+from chaoslib.router import ChaosRouter
+from chaoslib.workload import SLOW_EVERY, ChaosWorkload, Record
+from mpprefill.bench.procs import Child, runtime_dir_of, start_decode, start_server, worker_pid
 
 FINAL_REQUESTS = 24
 
@@ -45,21 +45,24 @@ class Events:
 
 class ChaosRun:
     def __init__(self, args, log_dir: str):
-        self.args, self.log_dir = args, log_dir
+        self.args = args
+        self.log_dir = log_dir
         self.rng = random.Random(args.seed)
-        self.workload = Workload(args.seed, args.max_total_tokens)
+        self.workload = ChaosWorkload(args.seed, args.max_total_tokens)
         self.faults = Faults(args.max_queued_requests)
         self.injected: Counter = Counter()
         self.events = Events()
-        self.serve = self.decode = self.router = None
-        self.decode_pids: list[int] = []
-        self.worker_pid: int | None = None
+        self.serve: Child | None = None
+        self.decode: Child | None = None
+        self.decodes: list[Child] = []  # every decode receiver started, the killed one too
+        self.router: ChaosRouter | None = None
         self.runtime_dir: str | None = None
         self._restart: threading.Thread | None = None
         self._last_progress = 0.0
         self.problems: list[str] = []
         self.drain_stats: dict = {}
-        self.t0 = self._t_mark = time.monotonic()
+        self.t0 = time.monotonic()
+        self._t_mark = self.t0
         self.phases: dict[str, float] = {}
 
     # ---- processes -------------------------------------------------------------------------
@@ -87,20 +90,21 @@ class ChaosRun:
         ]
 
     def start(self) -> None:
-        self.decode = procs.start_decode(self.decode_flags(), self.log_dir)
-        self.decode_pids.append(self.decode.pid)
-        self.serve = procs.start_serve(self.serve_flags(), self.log_dir)
-        self.worker_pid = worker_pid(self.serve.pid)
-        self.runtime_dir = runtime_dir_of(self.worker_pid) if self.worker_pid else None
-        self.router = Router(self.serve.port, self.decode.port)
+        self.decode = start_decode(self.decode_flags(), self.log_dir)
+        self.decodes.append(self.decode)
+        self.serve = start_server(self.serve_flags(), self.log_dir)
+        worker = worker_pid(self.serve.proc.pid)
+        self.runtime_dir = runtime_dir_of(worker) if worker else None
+        self.router = ChaosRouter(self.serve.port, self.decode.port)
 
     def restart_decode(self) -> None:
         def work():
             self.faults.decode_kill = time.monotonic()
-            self.decode.stop(signal.SIGKILL)
-            new = procs.start_decode(self.decode_flags(), self.log_dir, port=self.decode.port)
-            self.decode_pids.append(new.pid)
-            self.decode, self.faults.decode_ready = new, time.monotonic()
+            procs.kill(self.decode)
+            new = procs.restart_decode(self.decode.port, self.decode_flags(), self.log_dir)
+            self.decodes.append(new)
+            self.decode = new
+            self.faults.decode_ready = time.monotonic()
 
         self.injected["decode-kill-restart"] += 1
         self._restart = threading.Thread(target=work, name="decode-restart", daemon=True)
@@ -110,12 +114,14 @@ class ChaosRun:
 
     def plan(self) -> tuple[list[tuple[float, Record]], list[Record]]:
         """Requests, faults and their times, all from the seed; (timed normal load, final)."""
-        a, w = self.args, self.workload
+        a = self.args
+        w = self.workload
         n_burst = min(a.max_queued_requests + 64, max(1, a.num_requests // 3))
         n_normal = max(0, a.num_requests - n_burst - 3 - FINAL_REQUESTS)
         normal = [w.request("normal", a.abort_p, a.slow_p) for _ in range(n_normal)]
         burst = [w.request("burst", a.abort_p) for _ in range(n_burst)]
-        start, d = time.monotonic(), a.duration
+        start = time.monotonic()
+        d = a.duration
         self.events.at(start + 0.25 * d, self.send_burst, burst)
         self.events.at(start + 0.5 * d, self.restart_decode)
         for _ in range(3):
@@ -182,7 +188,8 @@ class ChaosRun:
         if not force and now - self._last_progress < (1.0 if tty else 5.0):
             return
         self._last_progress = now
-        c, r = self.router.counts, self.router
+        r = self.router
+        c = r.counts
         line = (
             f"[chaos {now - self.t0:6.1f}s] sent={c['sent']} done={c['done']} "
             f"error={c['error']} outstanding={r.outstanding} bad={self.injected['bad-frame']} "
@@ -222,7 +229,7 @@ class ChaosRun:
         for rec in final[:-1]:
             self.send(rec)
         answered = lambda: all(r.replies for r in final[:-1])  # noqa: E731
-        pid = worker_pid(self.serve.pid)
+        pid = worker_pid(self.serve.proc.pid)
         if pid is None:  # the forward runs in the scheduler process: nothing to kill
             self.pump(60.0, answered)
             return
@@ -230,35 +237,32 @@ class ChaosRun:
         os.kill(pid, signal.SIGKILL)
         self.faults.worker_kill = time.monotonic()
         self.injected["worker-sigkill"] += 1
-        if not self.pump(5.0, answered) and self.serve.alive():
+        if not self.pump(5.0, answered) and procs.alive(self.serve):
             self.send(final[-1])  # the worker died while idle: a request makes it notice
-        self.pump(30.0, lambda: answered() and not self.serve.alive())
+        self.pump(30.0, lambda: answered() and not procs.alive(self.serve))
 
     def stop(self) -> dict:
         exits = {}
         if self.faults.worker_kill is None:
-            exits["serve_sigterm"] = self.serve.stop(signal.SIGTERM)
+            exits["serve_sigterm"] = self.serve.stop()
         else:
             try:
                 exits["serve_after_worker_kill"] = self.serve.proc.wait(10)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 exits["serve_after_worker_kill"] = f"still running: {self.serve.stop()}"
         if self._restart is not None:
             self._restart.join(120)
         self.pump(0.5)  # late decode replies
-        exits["decode_sigterm"] = self.decode.stop(signal.SIGTERM)
+        exits["decode_sigterm"] = self.decode.stop()
         return exits
 
     def cleanup(self) -> None:
-        for p in (self.serve, self.decode):
-            if p is not None and p.alive():
-                p.stop(signal.SIGKILL)
+        for child in (self.serve, self.decode):
+            if child is not None and procs.alive(child):
+                procs.kill(child)
         if self.router is not None:
             self.router.close()
-        if self.serve is not None:
-            ipc.remove_prefix(f"mpp_{self.serve.pid}_")
-        for pid in self.decode_pids:
-            ipc.remove_prefix(f"mppdecode_{pid}_")
+        procs.sweep(self.serve, self.decodes)
         if self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
@@ -281,7 +285,7 @@ class ChaosRun:
         self.mark("worker-kill+stop")
         self.progress(force=True)
         print(file=sys.stderr)
-        leaks = procs.leftovers(self.serve.pid, self.decode_pids, self.runtime_dir)
+        leaks = procs.leftovers(self.serve, self.decodes, self.runtime_dir)
         return summarize(self, invariants, exits, leaks)
 
     def mark(self, phase: str) -> None:

@@ -1,4 +1,5 @@
-"""The chaos run's router: sends to decode and prefill with one room, files every reply."""
+"""The chaos run's router: the bench router's sockets and frames, plus a socket for hostile
+frames; files every reply under its request."""
 
 from __future__ import annotations
 
@@ -7,27 +8,20 @@ import time
 from collections import Counter
 
 import zmq
-from chaos_load import Hostile, Record
+
+from chaoslib.hostile import Hostile
+from chaoslib.workload import Record
+from mpprefill.bench.router import Router, dealer
+
+THROWAWAY_S = 2.0  # how long a socket of its own keeps a frame ZeroMQ will drop
 
 
-def _dealer(ctx: zmq.Context, port: int) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)  # the router reads everything; never drop a reply here
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    return sock
-
-
-class Router:
+class ChaosRouter(Router):
     def __init__(self, prefill_port: int, decode_port: int):
-        self.ctx = zmq.Context()
+        super().__init__(prefill_port, decode_port)
         self.prefill_port = prefill_port
-        self.prefill = _dealer(self.ctx, prefill_port)
-        self.decode = _dealer(self.ctx, decode_port)
-        self.hostile = _dealer(self.ctx, prefill_port)
-        self.poller = zmq.Poller()
-        for sock in (self.prefill, self.decode, self.hostile):
-            self.poller.register(sock, zmq.POLLIN)
+        self.hostile = dealer(self.ctx, prefill_port)
+        self.poller.register(self.hostile, zmq.POLLIN)
         self.records: dict[str, Record] = {}
         self.hostiles: dict[str, Hostile] = {}
         self.hostile_sent: list[Hostile] = []
@@ -41,12 +35,11 @@ class Router:
 
     def send(self, rec: Record) -> None:
         self.records[rec.rid] = rec
-        rec.t_send, rec.outstanding_at_send = time.monotonic(), self.outstanding
+        rec.t_send = time.monotonic()
+        rec.outstanding_at_send = self.outstanding
         if rec.kind != "toolong" and rec.register_after <= 0:
             self.register(rec)
-        msg = {"type": "generate", "rid": rec.rid, "input_ids": rec.prompt}
-        msg |= {"bootstrap_room": rec.room, "sampling_params": {"temperature": 0.0}}
-        self.prefill.send(json.dumps(msg).encode())
+        self.send_generate(rec.rid, rec.prompt, rec.room)
         self.outstanding += 1
         self.counts["sent"] += 1
 
@@ -54,14 +47,13 @@ class Router:
         if rec.replies:  # the prefill already answered: the room would never be used
             return
         rec.registered = True
-        msg = {"type": "register", "rid": rec.rid, "bootstrap_room": rec.room}
-        self.decode.send(json.dumps(msg | {"input_ids": rec.prompt}).encode())
+        self.send_register(rec.rid, rec.room, rec.prompt)
 
     def abort(self, rec: Record) -> bool:
         if rec.replies:
             return False
         rec.t_abort = time.monotonic()
-        self.prefill.send(json.dumps({"type": "abort", "rid": rec.rid}).encode())
+        self.send_abort(rec.rid)
         return True
 
     def send_hostile(self, h: Hostile) -> None:
@@ -69,27 +61,25 @@ class Router:
         if h.rid is not None:
             self.hostiles[h.rid] = h
         if h.expect == "none":  # ZeroMQ drops it with the connection: use a socket of its own
-            sock = _dealer(self.ctx, self.prefill_port)
+            sock = dealer(self.ctx, self.prefill_port)
             sock.send_multipart(h.frames)
-            self._throwaway.append((time.monotonic() + 2.0, sock))
+            self._throwaway.append((time.monotonic() + THROWAWAY_S, sock))
         else:
             self.hostile.send_multipart(h.frames)
 
     # ---- receiving -----------------------------------------------------------------------
 
     def poll(self, timeout_ms: int) -> None:
+        handlers = {
+            self.prefill: self._on_prefill,
+            self.decode: self._on_decode,
+            self.hostile: self._on_hostile,
+        }
         for sock, _ in self.poller.poll(timeout_ms):
-            handle = {
-                self.prefill: self._on_prefill,
-                self.decode: self._on_decode,
-                self.hostile: self._on_hostile,
-            }[sock]
-            for _ in range(1000):
-                try:
-                    handle(json.loads(sock.recv(zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
-        now = time.monotonic()
+            _drain(sock, handlers[sock])
+        self._close_throwaways(time.monotonic())
+
+    def _close_throwaways(self, now: float) -> None:
         for t, sock in [x for x in self._throwaway if x[0] < now]:
             sock.close(linger=0)
             self._throwaway.remove((t, sock))
@@ -133,6 +123,15 @@ class Router:
     def close(self) -> None:
         for _, sock in self._throwaway:
             sock.close(linger=0)
-        for sock in (self.prefill, self.decode, self.hostile):
-            sock.close(linger=0)
-        self.ctx.term()
+        self.hostile.close(linger=0)
+        super().close()
+
+
+def _drain(sock: zmq.Socket, handle, limit: int = 1000) -> None:
+    """Hand up to `limit` waiting replies to `handle`, so one busy socket cannot starve the
+    others."""
+    for _ in range(limit):
+        try:
+            handle(json.loads(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return
