@@ -8,7 +8,7 @@ from ipc.codec import CodecError, decode, encode, message
 from ipc.events import EventTimeout, ShmEvent, ShmEventTable
 from ipc.handle import TensorHandle
 from ipc.mailbox import Channel, MailboxError, MailboxFull, MailboxTimeout, PeerDied
-from ipc.runtime import ipc_endpoint, new_prefix, pid_alive, runtime_dir
+from ipc.runtime import ipc_endpoint, new_prefix, pid_alive, remove_ipc_endpoint, runtime_dir
 from ipc.shm import (
     install_signal_cleanup,
     list_segments,
@@ -42,6 +42,7 @@ __all__ = [
     "new_prefix",
     "open_handle",
     "pid_alive",
+    "remove_ipc_endpoint",
     "remove_prefix",
     "runtime_dir",
     "sweep_stale",

@@ -73,9 +73,6 @@ class Channel:
     def set_peer(self, pid: int) -> None:
         self._peer_alive = lambda: pid_alive(pid)
 
-    def set_liveness(self, alive: Callable[[], bool]) -> None:
-        self._peer_alive = alive
-
     def put(self, msg: Any, timeout: float | None = None) -> None:
         """Send `msg` once the peer took the previous one (see module doc)."""
         data = codec.encode(msg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import secrets
 import shutil
@@ -35,6 +36,18 @@ def ipc_endpoint(name: str) -> str:
     if len(path) > 107:
         raise ValueError(f"ipc path too long ({len(path)} > 107 bytes): {path}")
     return "ipc://" + path
+
+
+def remove_ipc_endpoint(endpoint: str) -> None:
+    """Remove an `ipc://` endpoint's socket file (left by a process killed at once), and
+    its runtime dir once empty."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint.removeprefix("ipc://")
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(path))
 
 
 def new_prefix(tag: str = "mpp") -> str:

@@ -1,23 +1,23 @@
-"""Server configuration: one frozen dataclass, from which argparse takes defaults and help."""
+"""Server configuration: one frozen dataclass; `mpprefill.flags` makes its flags."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from mpprefill.flags import _f
 
 FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ahead")
 TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
+DEVICES = ("cpu", "cuda", "emulated")
+EMULATE_GPUS = ("h100", "h200", "b200")
+EMULATE_MODELS = ("Qwen2.5-0.5B", "Llama-3.1-8B", "Qwen2.5-14B")  # presets; or a config.json
 STAGINGS = ("pinned", "cuda-ipc")  # how a CUDA worker gets its batch inputs
 SWA_PATTERN_HELP = (
     "which layers slide: 'all', layer ids '0,2,5', or a pattern of s (sliding) and f (full)"
     " repeated over the layers, e.g. 'sssf'"
 )
-
-
-def _f(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,22 @@ class ServerArgs:
     host: str = _f("127.0.0.1", "address the request socket binds to")
     port: int = _f(30100, "request socket port")
     decode_address: str | None = _f(None, "decode receiver address host:port (shm/mooncake)")
-    device: str = _f("cpu", "device of the forward worker", choices=("cpu", "cuda"))
+    device: str = _f(
+        "cpu",
+        "device of the forward worker; 'emulated' runs the model's code on the CPU at a tiny"
+        " width and charges device time from a roofline of --emulate-model on --emulate-gpu",
+        choices=DEVICES,
+    )
+    emulate_model: str = _f(
+        "Qwen2.5-0.5B",
+        "with --device emulated: the model whose shapes set the device time, a preset name"
+        f" ({', '.join(EMULATE_MODELS)}) or a Hugging Face config.json (file or directory)",
+    )
+    emulate_gpu: str = _f(
+        "h200",
+        "with --device emulated: the GPU whose roofline sets the device time",
+        choices=EMULATE_GPUS,
+    )
     staging: str = _f(
         "pinned",
         "with --device cuda, how batches reach the forward process: pinned host shared memory"
@@ -60,12 +75,19 @@ class ServerArgs:
     random_seed: int = _f(0, "seed of the built-in model's weights")
     record_batches: str | None = _f(None, "on exit, write every batch's shape (JSON) here")
     log_level: str = _f("info", "logging level")
+    disable_gc_freeze: bool = _f(
+        False,
+        "leave the heap to the cyclic GC; by default the scheduler and forward processes"
+        " freeze what is alive once started (gc.freeze), so a full collection skips it",
+    )
     disable_radix_cache: bool = _f(False, "no prefix cache: every prompt is computed whole")
     host_store_size: int = _f(
         0, "host KV store under the device prefix cache, in tokens, LRU-evicted (0: off)"
     )
-    disable_batched_staging: bool = _f(
-        False, "stage host write-backs one request at a time instead of one copy per batch"
+    disable_batched_writeback: bool = _f(
+        False,
+        "copy host write-backs one request at a time instead of one gather per batch",
+        aliases=("--disable-batched-staging",),
     )
     sliding_window: int | None = _f(
         None, "window of the sliding-window layers (overrides the model's; see --swa-layers)"
@@ -104,8 +126,24 @@ class ServerArgs:
             raise ValueError(f"--sliding-window must be positive, got {self.sliding_window}")
         if not 0 < self.swa_full_tokens_ratio <= 1:
             raise ValueError("--swa-full-tokens-ratio must be in (0, 1]")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device: one of {DEVICES}, got {self.device!r}")
+        if self.emulate_gpu not in EMULATE_GPUS:
+            raise ValueError(f"--emulate-gpu: one of {EMULATE_GPUS}")
         if self.staging not in STAGINGS:
             raise ValueError(f"--staging: one of {STAGINGS}")
+
+    @property
+    def torch_device(self) -> str:
+        """Where the worker's tensors live (an emulated accelerator computes on the CPU)."""
+        return "cpu" if self.device == "emulated" else self.device
+
+    @property
+    def device_label(self) -> str:
+        """The device as bench tables and JSON name it."""
+        if self.device == "emulated":
+            return f"emulated ({self.emulate_gpu}, {self.emulate_model})"
+        return self.device
 
     @property
     def num_pages(self) -> int:
@@ -116,65 +154,14 @@ class ServerArgs:
         """Pages of the SWA pool (used when the model has sliding-window layers)."""
         return max(1, int(self.num_pages * self.swa_full_tokens_ratio))
 
-    def model_config(self):
-        """The model's config with the sliding-window flags applied, without its weights."""
-        from mpprefill.model import ModelConfig, read_config
-        from mpprefill.model.swa import with_sliding_window
-
-        base = ModelConfig.tiny() if self.model_path is None else read_config(self.model_path)
-        return with_sliding_window(base, self.sliding_window, self.swa_layers)
-
-    def load_model(self, device=None):
-        """The model these args name, on `device` (default: --device)."""
-        from mpprefill.model import load_model
-
-        return load_model(
-            self.model_path,
-            device=self.device if device is None else device,
-            seed=self.random_seed,
-            sliding_window=self.sliding_window,
-            swa_layers=self.swa_layers,
-        )
-
     @property
     def resolved_forward_mode(self) -> str:
         mode = resolve_forward_mode(self.forward_mode, self.disable_overlap_schedule)
         check_dispatch(mode, self.disaggregation_mode, self.pp_size)
         return mode
 
-    @classmethod
-    def add_cli_args(cls, ap: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            kw = {"help": f.metadata.get("help", ""), "default": f.default}
-            if f.type in ("bool",) or isinstance(f.default, bool):
-                ap.add_argument(flag, action="store_true", help=kw["help"])
-                continue
-            kw["type"] = _arg_type(f)
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
-            ap.add_argument(flag, **kw)
-
-    @classmethod
-    def from_cli(cls, args: argparse.Namespace, **overrides) -> ServerArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in vars(args).items() if k in names}
-        kw.update(overrides)
-        return cls(**kw)
-
     def replace(self, **kw) -> ServerArgs:
         return dataclasses.replace(self, **kw)
-
-
-def _arg_type(f: dataclasses.Field):
-    t = str(f.type)
-    if t.startswith("int"):
-        return int
-    if t.startswith("float"):
-        return float
-    return str
 
 
 def resolve_forward_mode(

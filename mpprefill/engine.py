@@ -15,7 +15,7 @@ from mpprefill.sampling import SamplingParams
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
-from mpprefill.worker.base import WorkerDied
+from mpprefill.worker.api import WorkerDied
 from mpprefill.worker.factory import make_worker
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,6 @@ class PrefillEngine:
             self.model_config,
             self.worker,
             FakeTransfer(),
-            record_steps=kwargs.get("check_invariants", False),
         )
         self._loop = LOOPS[self.mode]
         self._ids = itertools.count()

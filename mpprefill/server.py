@@ -1,8 +1,7 @@
 """`mpprefill serve`: the prefill scheduler behind a ZeroMQ ROUTER, with its worker.
 
-Socket limits and frame sizes: protocol.py; signals: server_signals.py. A request the
-decode side never answers is failed after --bootstrap-timeout (`_watch_transfers`), so
-every request gets exactly one reply.
+Socket limits and frame sizes: protocol.py; signals: server_signals.py. Every request gets
+exactly one reply: a transfer the decode side never answers fails by its sender's deadline.
 """
 
 from __future__ import annotations
@@ -16,17 +15,17 @@ import zmq
 
 from mpprefill import protocol, server_signals
 from mpprefill.config import ServerArgs
-from mpprefill.disagg.transfer_sender import TransferSender
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
+from mpprefill.scheduling.stats import scheduler_stats
+from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
-from mpprefill.worker.base import WorkerDied
+from mpprefill.worker.api import WorkerDied
 from mpprefill.worker.factory import make_worker
 
 logger = logging.getLogger(__name__)
 MAX_FRAMES_PER_POLL = protocol.REQUEST_HWM
-WATCH_EVERY_S = 0.5
 DROP_LOG_EVERY = 1000  # past the first few, one log line per this many drops or bad frames
 
 
@@ -35,16 +34,20 @@ class PrefillServer:
         self.args, self.mode = args, args.resolved_forward_mode
         self._stop = False
         self.worker = None
-        server_signals.install(self._on_signal, lambda: self.worker)
+        server_signals.install(self._on_signal, self._exit_now)
         if args.trace_dir:
             set_tracer(Tracer("scheduler", enabled=True))
         self.worker, model_config = make_worker(args, self.mode)
         self.transfer = _make_transfer(args, self.worker)
         self.scheduler = Scheduler(
-            args, model_config, self.worker, self.transfer, on_finish=self._reply
+            args,
+            model_config,
+            self.worker,
+            self.transfer,
+            on_finish=self._reply,
+            recv_requests=self._recv,
+            wait_for_requests=self._wait,
         )
-        self.scheduler.recv_requests = self._recv
-        self.scheduler.wait_for_requests = self._wait
         self.ctx = zmq.Context()
         self.sock = protocol.bind_server_socket(self.ctx, args.host, args.port)
         if args.record_batches:
@@ -53,14 +56,12 @@ class PrefillServer:
         self._arriving: dict[str, Req] = {}  # admitted by this _recv, not yet ingested
         self.replies_dropped = self.bad_frames = 0
         self._closing: str | None = None  # once set, every new request gets it as its error
-        self._transfer_since: dict[str, float] = {}  # rid -> first seen transferring
-        self._next_watch = 0.0
         self.exit_code = 0
+        self.gc = GcWatch().install()
 
     # ---- socket side ---------------------------------------------------------------------
 
     def _recv(self) -> list[Req]:
-        self._watch_transfers()
         self._read_frames(MAX_FRAMES_PER_POLL)
         reqs, self._arriving = list(self._arriving.values()), {}
         return reqs
@@ -147,57 +148,14 @@ class PrefillServer:
                 n = self.replies_dropped
                 logger.warning("dropped a reply to a client (%s); %d so far", e.strerror, n)
 
-    def _watch_transfers(self) -> None:
-        """Fail a transfer the decode side has not answered within --bootstrap-timeout.
-
-        NOTE: a decode receiver that restarts loses the rooms it held; their senders
-        would wait for an ack forever.
-        """
-        now = time.monotonic()
-        if now < self._next_watch:
-            return
-        self._next_watch, limit, seen = now + WATCH_EVERY_S, self.args.bootstrap_timeout, {}
-        for req in self.scheduler.inflight_queue:
-            since = seen[req.rid] = self._transfer_since.get(req.rid, now)
-            if now - since > limit and isinstance(req.sender, TransferSender):
-                req.sender.abort(f"no answer from the decode side within {limit:.1f}s")
-        self._transfer_since = seen
-
     def _wait(self, timeout: float) -> None:
         self.sock.poll(max(1, int(timeout * 1000)))
 
     def stats(self) -> dict:
-        s = self.scheduler
-        return {
-            "forward_mode": self.mode,
-            "queues": {
-                "bootstrap": len(s.bootstrap_queue),
-                "waiting": len(s.waiting),
-                "inflight": len(s.inflight_queue),
-                "live": len(s.live),
-            },
-            "kv": kv_stats(s),
-            "req_slots": {"free": s.req_pool.available_size(), "total": s.req_pool.size},
-            "counters": {
-                **s.metrics.to_dict(),
-                "replies_dropped": self.replies_dropped,
-                "bad_frames": self.bad_frames,
-            },
-            "invariants": self._check_invariants(),
-        }
-
-    def _check_invariants(self) -> dict:
-        """With --check-invariants, DESIGN.md's drained-state checks whenever idle."""
-        from mpprefill.scheduling.invariants import InvariantError, check_drained
-
-        s = self.scheduler
-        if not self.args.check_invariants or s.live or s.forwards_in_flight:
-            return {"checked": False}
-        try:
-            check_drained(s)
-        except (InvariantError, AssertionError) as e:
-            return {"checked": True, "ok": False, "error": str(e)}
-        return {"checked": True, "ok": True}
+        out = {"forward_mode": self.mode, **scheduler_stats(self.scheduler)}
+        out["counters"] |= {"replies_dropped": self.replies_dropped, "bad_frames": self.bad_frames}
+        out["gc"] = self.gc.to_dict()
+        return out
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -209,6 +167,8 @@ class PrefillServer:
             self.mode,
             self.transfer.name,
         )
+        if not self.args.disable_gc_freeze:
+            logger.info("froze %d objects of the started heap", freeze_heap())
         reason = "server shutting down"
         try:
             LOOPS[self.mode](self.scheduler, lambda: self._stop)
@@ -242,6 +202,10 @@ class PrefillServer:
     def _on_signal(self, signum: int) -> None:
         logger.info("signal %d: shutting down", signum)
         self._stop = True
+
+    def _exit_now(self) -> None:
+        if self.worker is not None:
+            self.worker.kill_now()
 
     def close(self) -> None:
         t0 = time.monotonic()
@@ -279,20 +243,3 @@ def _make_transfer(args: ServerArgs, worker):
 
 def run_serve(args: ServerArgs) -> int:
     return PrefillServer(args).serve_forever()
-
-
-def kv_stats(s) -> dict:
-    """Pool occupancy; with sliding-window layers, their pool's too."""
-    kv = {
-        "free_tokens": s.allocator.available_size(),
-        "total_tokens": s.allocator.size,
-        "cached_tokens": s.tree.total_size(),
-    }
-    swa = getattr(s.allocator, "swa", None)
-    if swa is not None:
-        kv["swa"] = {
-            "free_tokens": swa.available_size(),
-            "total_tokens": swa.size,
-            "cached_tokens": s.tree.swa_total_size(),
-        }
-    return kv

@@ -10,7 +10,9 @@ import torch
 from mpprefill.config import ServerArgs
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling import SamplingBatchInfo, SamplingParams
-from mpprefill.worker.factory import build_runner, set_torch_threads
+from mpprefill.worker.api import ForwardInput
+from mpprefill.worker.build import build_runner
+from mpprefill.worker.runner import set_torch_threads
 
 
 def load_shapes(path: str) -> list[tuple[list[int], list[int]]]:
@@ -25,17 +27,17 @@ def forward_bound(
     if not shapes:
         raise ValueError("no batches to replay")
     set_torch_threads(args.worker_threads)
-    runner = build_runner(args)
+    runner = build_runner(args, args.torch_device)
     g = torch.Generator().manual_seed(seed)
     vocab = runner.vocab_size
     batches = [_batch(p, e, runner.kv, vocab, g) for p, e in shapes]  # built untimed
-    for fb, sampling in batches[:warmup]:
-        runner.forward(fb, sampling)
-    _sync(args.device)
+    for seq, (fb, sampling) in enumerate(batches[:warmup]):
+        _sync(args.device, runner.forward(ForwardInput(seq, fb, sampling)))
     t0 = time.perf_counter()
-    for fb, sampling in batches:
-        runner.forward(fb, sampling)
-    _sync(args.device)  # device work is asynchronous: the clock stops when it is done
+    out = None
+    for seq, (fb, sampling) in enumerate(batches, start=warmup):
+        out = runner.forward(ForwardInput(seq, fb, sampling))
+    _sync(args.device, out)  # device work is asynchronous: the clock stops when it is done
     elapsed = time.perf_counter() - t0
     tokens = sum(sum(e) for _, e in shapes)
     return {
@@ -63,6 +65,9 @@ def _batch(prefix_lens, extend_lens, kv, vocab, g) -> tuple:
     return fb, info
 
 
-def _sync(device: str) -> None:
+def _sync(device: str, out) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+    left = out.ready_at - time.monotonic() if out is not None else 0
+    if left > 0:  # the emulated device's clock
+        time.sleep(left)

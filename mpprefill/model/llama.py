@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -123,8 +124,11 @@ class LlamaForCausalLM(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, kv: KVCache) -> Tensor:
-        """Float32 logits [B, vocab] at each request's last new token."""
+    def forward(
+        self, fb: ForwardBatch, kv: KVCache, on_layer: Callable[[int], None] | None = None
+    ) -> Tensor:
+        """Float32 logits [B, vocab] at each request's last new token. `on_layer(i)` runs
+        once layer i's work is issued (an emulated device charges its time there)."""
         x = self.tok_embeddings(fb.input_ids)
         rope = rope_cos_sin(fb.positions, self.config.head_size, self.config.rope_theta)
         spans = ragged_spans(fb, fb.kv_indices)
@@ -136,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
             sliding = self.config.is_sliding(i)
             locs, layer_spans = (swa_locs, swa_spans) if sliding else (fb.out_cache_loc, spans)
             x = layer(x, rope, kv, locs, layer_spans)
+            if on_layer is not None:
+                on_layer(i)
         x = x[fb.last_token_indices]
         return self.output(self.norm(x)).float()
 

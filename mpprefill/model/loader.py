@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from mpprefill.model.config import ModelConfig
 from mpprefill.model.llama import LlamaForCausalLM
 from mpprefill.model.swa import with_sliding_window
+
+if TYPE_CHECKING:
+    from mpprefill.config import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,23 @@ def load_model(
     load_hf_weights(model, read_safetensors(model_path))
     logger.info("loaded %s from %s", config.architecture, model_path)
     return model
+
+
+def config_from_args(args: ServerArgs) -> ModelConfig:
+    """The config the server's flags name, sliding-window flags applied, without weights."""
+    base = ModelConfig.tiny() if args.model_path is None else read_config(args.model_path)
+    return with_sliding_window(base, args.sliding_window, args.swa_layers)
+
+
+def model_from_args(args: ServerArgs, device: torch.device | str) -> LlamaForCausalLM:
+    """The model the server's flags name, on `device`."""
+    return load_model(
+        args.model_path,
+        device=device,
+        seed=args.random_seed,
+        sliding_window=args.sliding_window,
+        swa_layers=args.swa_layers,
+    )
 
 
 def read_config(model_path: str) -> ModelConfig:

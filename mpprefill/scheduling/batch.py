@@ -1,16 +1,17 @@
-"""ScheduleBatch: the requests of one prefill batch and the tensors built for them."""
+"""ScheduleBatch: the requests of one prefill batch and the tensors built for them; and
+ForwardSnapshot, what a submitted forward keeps while admission rebinds the live batch."""
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling import SamplingBatchInfo
 from mpprefill.scheduling.req import Req
+from mpprefill.worker.api import ForwardInput
 
 
 @dataclass(slots=True, eq=False)
@@ -19,7 +20,6 @@ class ScheduleBatch:
     reqs: list[Req]
     forward: ForwardBatch
     sampling_info: SamplingBatchInfo
-    spec_info: Any = None
     delay_sample: bool = False
     return_logits: bool = False
     fill_lens: list[int] = field(default_factory=list)  # each req's KV end after this batch
@@ -34,13 +34,36 @@ class ScheduleBatch:
         """Shallow: result processing keeps the same Req objects (and the same list)."""
         return copy.copy(self)
 
-    def filter(self, keep: list[int]) -> None:
-        """Keep the given rows, rebinding fields in place (as admission does)."""
-        self.reqs = [self.reqs[i] for i in keep]
-        self.sampling_info.filter(keep)
-
     def __repr__(self) -> str:
         return f"ScheduleBatch(seq={self.seq}, reqs={len(self.reqs)}, tokens={self.new_tokens})"
+
+
+@dataclass(slots=True, eq=False)
+class ForwardSnapshot:
+    """What a submitted forward sees; admission may rebind the live batch meanwhile.
+
+    batch: a shallow copy (its `reqs` are the real Req objects, which never leave the
+    scheduler); input: the tensors handed to the worker, with the sampling rows copied by
+    `copy_for_forward()`.
+    """
+
+    batch: ScheduleBatch
+    input: ForwardInput
+
+    @classmethod
+    def take(cls, batch: ScheduleBatch) -> ForwardSnapshot:
+        inp = ForwardInput(
+            seq=batch.seq,
+            forward=batch.forward,
+            sampling=batch.sampling_info.copy_for_forward(),
+            delay_sample=batch.delay_sample,
+            return_logits=batch.return_logits,
+        )
+        return cls(batch.copy(), inp)
+
+    @property
+    def seq(self) -> int:
+        return self.input.seq
 
 
 def build_forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows) -> ForwardBatch:

@@ -1,7 +1,8 @@
 """The six event loops, side by side. Each mirrors DESIGN.md's order line by line.
 
 A(N) = get_next_batch_to_run, F(N) = run_batch / submit, P(N) = process_batch_result,
-S(N) = sample_if_needed. `until()` ends a loop; `idle()` waits for new work.
+S(N) = sample_if_needed. `until()` ends a loop; `idle()` waits for new work. Early send
+of cached prefixes runs on the scheduler thread right before each submit, in every mode.
 """
 
 from __future__ import annotations
@@ -55,22 +56,30 @@ def event_loop_overlap(s: Scheduler, until: Until) -> None:
 
 
 def event_loop_ahead(s: Scheduler, until: Until) -> None:
-    """A(N+1) collect(N) S(N) snapshot+early-send(N+1) submit(N+1) P(N) inflight."""
+    """A(N+1) snapshot+early-send(N+1) submit(N+1) collect(N) P(N) inflight.
+
+    The worker holds N + 1 while it runs N, so it starts N + 1 the moment N ends. With
+    deferred sampling S(N) needs the worker idle between N and N + 1, so the order is
+    then A(N+1) collect(N) S(N) snapshot+early-send(N+1) submit(N+1) P(N) inflight.
+    """
     inflight = None
+    deferred = s.args.delay_sampling
     while not until():
         _top(s)
         batch = s.get_next_batch_to_run()
         prev_result = prev_batch = None
-        if inflight is not None:
+        if deferred and inflight is not None:
             prev_result = s.collect(inflight)  # waits if the worker is still busy
             prev_result = s.sample_if_needed(inflight, prev_result)  # worker idle here
             prev_batch = inflight.batch
         snap = None
         if batch is not None:
             snap = s.snapshot_for_forward(batch)
-            for req in snap.batch.reqs:
-                s.maybe_send_cached_prefix_chunk(req)
-            s.submit(snap, early_send_prefix=False)
+            s.send_cached_prefixes(snap)
+            s.submit(snap)
+        if not deferred and inflight is not None:
+            prev_result = s.collect(inflight)  # waits if the worker is still busy
+            prev_batch = inflight.batch
         if prev_result is not None:
             s.process_batch_result(prev_batch, prev_result)
         s.process_inflight_queue()

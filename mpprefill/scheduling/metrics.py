@@ -1,13 +1,20 @@
-"""Scheduler-side counters: phase times, forward times, finished-request totals."""
+"""Scheduler-side counters: phase times, forward times, hand-off gaps, finished-request
+totals.
+
+The hand-off gap of forward N + 1 is how long the device sat idle between forward N's
+end and forward N + 1's start although batch N + 1 was already built when N ended: the
+time the hand-off itself costs, not a wait for work.
+"""
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from mpprefill.trace.tracer import clock_ns, get_tracer
 
 TRACE_NAMES = {"collect": "collect-wait"}
+MAX_GAPS = 4096  # recent hand-off gaps kept for medians (they travel in stats replies)
 
 
 @dataclass
@@ -15,7 +22,10 @@ class SchedulerMetrics:
     phase_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     phase_n: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     num_batches: int = 0
-    forward_s: float = 0.0
+    forward_s: float = 0.0  # host time of the forward calls (issue)
+    device_s: float = 0.0  # device time of the forwards (end - start)
+    handoff_n: int = 0
+    handoff_gaps_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_GAPS))
     batch_tokens: int = 0
     mailbox_bytes: list[int] = field(default_factory=list)
     num_finished: int = 0
@@ -25,6 +35,8 @@ class SchedulerMetrics:
     host_loaded_tokens: int = 0  # prefix tokens loaded back from the host KV store
     host_written_tokens: int = 0  # tokens whose write-back to the host store was retired
     batch_shapes: list[tuple[list[int], list[int]]] | None = None  # (prefix, extend) lens
+    _built_ns: dict[int, int] = field(default_factory=dict)  # seq -> when A built it
+    _last_end: tuple[int, int] = (0, 0)  # (seq, end_ns) of the last forward collected
 
     def add_phase(self, name: str, start_ns: int, seq: int = -1) -> None:
         """Close a phase that began at `start_ns` (trace clock); traced when tracing is on."""
@@ -35,13 +47,23 @@ class SchedulerMetrics:
         if tracer.enabled:
             tracer.record(TRACE_NAMES.get(name, name), start_ns, dur, seq)
 
-    def on_forward(self, snap, result) -> None:
+    def on_built(self, seq: int) -> None:
+        self._built_ns[seq] = clock_ns()
+
+    def on_forward(self, fb, result) -> None:
+        """Forward `result.seq` (its batch `fb`) was collected."""
         if self.batch_shapes is not None:
-            fb = snap.forward
             self.batch_shapes.append((fb.prefix_lens.tolist(), fb.extend_lens.tolist()))
         self.num_batches += 1
         self.forward_s += result.forward_s
-        self.batch_tokens += snap.forward.num_tokens
+        self.device_s += (result.end_ns - result.start_ns) / 1e9
+        self.batch_tokens += fb.num_tokens
+        built = self._built_ns.pop(result.seq, None)
+        prev_seq, prev_end = self._last_end
+        if prev_seq == result.seq - 1 and built is not None and built <= prev_end:
+            self.handoff_n += 1
+            self.handoff_gaps_s.append(max(0, result.start_ns - prev_end) / 1e9)
+        self._last_end = (result.seq, result.end_ns)
 
     def on_finish(self, req) -> None:
         if req.error:
@@ -64,6 +86,9 @@ class SchedulerMetrics:
             },
             "num_batches": self.num_batches,
             "forward_s": self.forward_s,
+            "device_s": self.device_s,
+            "handoff_n": self.handoff_n,
+            "handoff_gaps_ms": [g * 1e3 for g in self.handoff_gaps_s],
             "batch_tokens": self.batch_tokens,
             "num_finished": self.num_finished,
             "num_failed": self.num_failed,

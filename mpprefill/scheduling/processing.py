@@ -13,7 +13,7 @@ from mpprefill.trace.tracer import clock_ns
 
 if TYPE_CHECKING:
     from mpprefill.scheduling.batch import ScheduleBatch
-    from mpprefill.worker.base import ForwardResult
+    from mpprefill.worker.api import ForwardResult
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,9 @@ class ResultProcessing:
             self.metrics.add_phase("host-retire", t0)
 
     def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
+        t0 = clock_ns()
+        result.wait_ready()
+        self.metrics.add_phase("device-wait", t0, batch.seq)
         t0 = clock_ns()
         tokens = result.next_token_ids.tolist()
         finished = []
@@ -54,7 +57,6 @@ class ResultProcessing:
             self.send_kv_chunk(req, last=True)
         if finished and self.host_tier is not None:
             self.host_tier.write_back(finished)
-        self.step("P", batch.seq)
         self.metrics.add_phase("P", t0, batch.seq)
 
     def _release_prefix_key(self, req: Req) -> None:
@@ -81,7 +83,7 @@ class ResultProcessing:
         req.start_send_idx = end
         first = req.output_ids[0] if last else None
         window = None
-        if last and hasattr(self.allocator, "translate"):  # sliding-window layers
+        if last and self.allocator.has_swa_pool:
             row = self.req_pool.req_to_token[req.req_pool_idx]
             window = window_swa_pages(self.allocator, row, end, self.model_config.sliding_window)
         req.sender.send(page_indices, last=last, first_token=first, state_indices=window)
@@ -89,13 +91,12 @@ class ResultProcessing:
     def maybe_send_cached_prefix_chunk(self, req: Req) -> None:
         """Early send: KV already in the cache goes out before the suffix is computed.
 
-        NOTE: only called once every forward that could write these pages was collected
-        (ahead loops: after collect(N); others: submit and collect at once).
+        NOTE: a page of the prefix may still be written by a forward in flight (the
+        chunked request's previous chunk); the transfer waits on the KV write fence first.
         """
         cached_end = req.prefix_len
         if cached_end > req.start_send_idx:
             t0 = clock_ns()
-            self.step("early_send", -1)
             self.send_kv_chunk(req, last=False, end_idx=cached_end)
             self.metrics.add_phase("early-send", t0)
 

@@ -1,7 +1,9 @@
 """The prefill scheduler: ingest, bootstrap, admission, batch build, forward hand-off.
 
 Result processing, KV sends and release live in `processing.py`; the six loops
-that order these steps live in `loops.py`.
+that order these steps live in `loops.py`. The front (a socket server or the offline
+engine) hands requests in through `recv_requests` and gets them back through
+`on_finish`; the worker sees tensors only (`worker.api`).
 """
 
 from __future__ import annotations
@@ -15,18 +17,19 @@ import torch
 
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.sender import KVPoll
+from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.req_to_token import ReqToTokenPool
 from mpprefill.model import ModelConfig
 from mpprefill.sampling import SamplingBatchInfo
 from mpprefill.scheduling.adder import AddResult, PrefillAdder
-from mpprefill.scheduling.batch import ScheduleBatch, build_forward_batch
+from mpprefill.scheduling.batch import ForwardSnapshot, ScheduleBatch, build_forward_batch
 from mpprefill.scheduling.host_tier import make_host_tier
 from mpprefill.scheduling.kv_pools import add_swa_slots, make_kv_pools, prompt_fits, reclaim
 from mpprefill.scheduling.metrics import SchedulerMetrics
 from mpprefill.scheduling.processing import ResultProcessing
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.trace.tracer import clock_ns, get_tracer
-from mpprefill.worker.base import ForwardResult, ForwardSnapshot, Worker
+from mpprefill.worker.api import ForwardResult, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +42,19 @@ class Scheduler(ResultProcessing):
         worker: Worker,
         transfer,
         on_finish: Callable[[Req], None] | None = None,
-        record_steps: bool = False,
+        recv_requests: Callable[[], list[Req]] | None = None,
+        wait_for_requests: Callable[[float], None] = time.sleep,
     ):
+        """`recv_requests()` returns the requests that arrived since the last call;
+        `wait_for_requests(s)` waits up to s seconds for more (the front's socket)."""
         self.args, self.model_config = args, model_config
         self.page_size = args.page_size
         self.context_len = args.context_length or model_config.max_position_embeddings
         rows = max(2 * args.max_running_requests, 64)
         self.req_pool = ReqToTokenPool(rows, self.context_len)
         self.allocator, self.tree = make_kv_pools(args, model_config, self.req_pool)
-        self.worker, self.transfer = worker, transfer
-        worker.early_send_hook = self.early_send_snapshot
+        self.worker = worker
+        self.transfer = transfer
         self.on_finish = on_finish or (lambda req: None)
         self.incoming: deque[Req] = deque()
         self.bootstrap_queue: list[Req] = []
@@ -59,22 +65,13 @@ class Scheduler(ResultProcessing):
         self.live: dict[str, Req] = {}
         self.batch_seq = 0
         self.forwards_in_flight = 0
-        self._mailbox_mark = getattr(worker, "mailbox_bytes", 0)
+        self._mailbox_mark = worker.mailbox_bytes
         self.metrics = SchedulerMetrics()
         self.host_tier = make_host_tier(args, self.tree, self.allocator, worker, self.metrics)
-        self.steps: list[tuple[str, int]] | None = [] if record_steps else None
-        self.recv_requests: Callable[[], list[Req]] = lambda: []
-        self.wait_for_requests: Callable[[float], None] = time.sleep
+        self.recv_requests = recv_requests or list
+        self.wait_for_requests = wait_for_requests
 
     # ---- bookkeeping -------------------------------------------------------------------
-
-    def step(self, name: str, seq: int = -1) -> None:
-        if self.steps is not None:
-            self.steps.append((name, seq))
-
-    @property
-    def has_pending_work(self) -> bool:
-        return bool(self.live)
 
     def validate(self, req: Req) -> None:
         """Raise ValueError for a request this server can never finish."""
@@ -92,8 +89,6 @@ class Scheduler(ResultProcessing):
         too_big = prompt_fits(self.allocator, len(ids), self.args.chunked_prefill_size != -1)
         if too_big is not None:
             raise ValueError(too_big)
-        if req.rid in self.live:
-            raise ValueError(f"duplicate rid {req.rid!r} while the first is live")
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
@@ -168,7 +163,7 @@ class Scheduler(ResultProcessing):
             tracer.instant("queue", waiting=len(self.waiting) + len(self.bootstrap_queue))
         self.metrics.add_phase("A", t0, batch.seq if batch is not None else -1)
         if batch is not None:
-            self.step("A", batch.seq)
+            self.metrics.on_built(batch.seq)
         return batch
 
     def _admit_waiting(self, adder: PrefillAdder) -> None:
@@ -237,7 +232,7 @@ class Scheduler(ResultProcessing):
         return out
 
     def _num_pages(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.page_size)
+        return cdiv(n_tokens, self.page_size)
 
     # ---- forward hand-off ----------------------------------------------------------------
 
@@ -247,10 +242,14 @@ class Scheduler(ResultProcessing):
         self.metrics.add_phase("snapshot", t0, snap.seq)
         return snap
 
-    def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:
+    def send_cached_prefixes(self, snap: ForwardSnapshot) -> None:
+        """Early send, on the scheduler thread before the batch's submit, in every mode."""
+        for req in snap.batch.reqs:
+            self.maybe_send_cached_prefix_chunk(req)
+
+    def submit(self, snap: ForwardSnapshot) -> None:
         t0 = clock_ns()
-        self.step("submit", snap.seq)
-        self.worker.submit(snap, early_send_prefix)
+        self.worker.submit(snap.input)
         self.forwards_in_flight += 1
         self.metrics.add_phase("submit", t0, snap.seq)
 
@@ -258,37 +257,27 @@ class Scheduler(ResultProcessing):
         t0 = clock_ns()
         mailbox_before = self._mailbox_mark
         result = self.worker.collect()
-        self._mailbox_mark = getattr(self.worker, "mailbox_bytes", 0)
+        self._mailbox_mark = self.worker.mailbox_bytes
         self.metrics.mailbox_bytes.append(self._mailbox_mark - mailbox_before)
         self.forwards_in_flight -= 1
-        self.step("collect", snap.seq)
         self.metrics.add_phase("collect", t0, snap.seq)
-        self.metrics.on_forward(snap, result)
+        self.metrics.on_forward(snap.input.forward, result)
         return result
 
-    def run_batch(self, batch: ScheduleBatch, early_send_prefix: bool = True):
-        """Submit and collect at once (normal, overlap, thread, proc)."""
+    def run_batch(self, batch: ScheduleBatch) -> tuple[ForwardSnapshot, ForwardResult]:
+        """Snapshot, early send, submit and collect at once (normal, overlap, thread, proc)."""
         snap = self.snapshot_for_forward(batch)
-        if not self.worker_runs_early_send:
-            for req in snap.batch.reqs:
-                self.maybe_send_cached_prefix_chunk(req)
-            early_send_prefix = False
-        self.submit(snap, early_send_prefix)
+        self.send_cached_prefixes(snap)
+        self.submit(snap)
         return snap, self.collect(snap)
-
-    @property
-    def worker_runs_early_send(self) -> bool:
-        return self.worker.kind in ("inline", "thread")
-
-    def early_send_snapshot(self, snap: ForwardSnapshot) -> None:
-        for req in snap.batch.reqs:
-            self.maybe_send_cached_prefix_chunk(req)
 
     def sample_if_needed(self, snap: ForwardSnapshot, result: ForwardResult) -> ForwardResult:
         if result.next_token_ids is not None:
             return result
         t0 = clock_ns()
-        tokens = self.worker.sample(result, snap)
-        self.step("S", snap.seq)
+        result.wait_ready()
+        self.metrics.add_phase("device-wait", t0, snap.seq)
+        t0 = clock_ns()
+        tokens = self.worker.sample(snap.input)
         self.metrics.add_phase("S", t0, snap.seq)
         return result._replace(next_token_ids=tokens)

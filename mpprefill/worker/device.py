@@ -13,24 +13,23 @@ Everything else (which event is waited on before what) is the same on every row;
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from ipc.cuda import CudaGenEvent, HostFencedEvent
-from ipc.events import ShmEvent
+from ipc.events import GenEvent, ShmEvent
 
 EVENT_CLASSES = {"shm": ShmEvent, "cuda": CudaGenEvent, "fenced": HostFencedEvent}
-# Test hook: the device runs issued work this many seconds late.
-SLOW_DEVICE_ENV = "MPPREFILL_TEST_SLOW_DEVICE"
+T = TypeVar("T")
 CLOCK_HZ = 1.5e9  # SM cycles per second assumed by device-side test sleeps
 
 
 @dataclass(frozen=True)  # NOTE: no slots: it crosses spawn by pickle, also on Python 3.10
 class DevicePlan:
-    device: str  # "cpu" | "cuda"
+    device: str  # "cpu" | "cuda" (an emulated accelerator computes on the CPU)
     staging: str  # "shm" | "pinned" | "cuda-ipc"
 
     def __post_init__(self):
@@ -45,7 +44,7 @@ class DevicePlan:
     @classmethod
     def of(cls, device: str, staging: str) -> DevicePlan:
         """The plan for --device and --staging; a CPU worker always stages through shm."""
-        kind = torch.device(device).type
+        kind = "cpu" if device == "emulated" else torch.device(device).type
         return cls("cpu", "shm") if kind == "cpu" else cls(kind, staging)
 
     @property
@@ -78,8 +77,16 @@ class DevicePlan:
 class HostStream:
     """The CPU "device": issued work runs at once, on the calling thread."""
 
-    def run(self, fn: Callable[[], None]) -> None:
-        fn()
+    # Whether issued work runs elsewhere and may fail later (then `check` raises it).
+    runs_elsewhere = False
+
+    def run(self, fn: Callable[[], T]) -> T | None:
+        """Issue `fn`; its value where it ran at once (None where it runs later)."""
+        return fn()
+
+    def record(self, event: GenEvent, gen: int) -> None:
+        """Record `event` once the work issued so far is complete."""
+        event.record(gen)
 
     def check(self) -> None:
         """Raise what issued work raised (work that ran later, elsewhere)."""
@@ -100,11 +107,15 @@ class CudaStream(HostStream):
         self.stream = torch.cuda.Stream()
         self.cycles = int(lag * CLOCK_HZ)
 
-    def run(self, fn: Callable[[], None]) -> None:
+    def run(self, fn: Callable[[], T]) -> T | None:
         with torch.cuda.stream(self.stream):
             if self.cycles:
                 torch.cuda._sleep(self.cycles)
-            fn()
+            return fn()
+
+    def record(self, event: GenEvent, gen: int) -> None:
+        with torch.cuda.stream(self.stream):
+            event.record(gen)
 
     def drain(self) -> None:
         self.stream.synchronize()
@@ -113,15 +124,3 @@ class CudaStream(HostStream):
     def current(self) -> Iterator[None]:
         with torch.cuda.stream(self.stream):
             yield
-
-
-def make_stream(plan: DevicePlan) -> HostStream:
-    """The worker's forward stream, lagging when the test hook asks."""
-    lag = float(os.environ.get(SLOW_DEVICE_ENV, "0"))
-    if plan.device == "cuda":
-        return CudaStream(lag)
-    if lag > 0:
-        from mpprefill.worker.emulation import LaggingStream
-
-        return LaggingStream(lag)
-    return HostStream()

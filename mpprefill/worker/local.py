@@ -1,14 +1,20 @@
-"""Workers in the scheduler's process: inline (normal, overlap) and a forward thread."""
+"""Workers in the scheduler's process: inline (normal, overlap) and a forward thread.
+
+Where the runner's device finishes later than its call returns (the emulated
+accelerator), `collect` hands the result over at once, and its reader waits for the
+device (`ForwardResult.wait_ready`), as the overlap loop does on a GPU.
+"""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from collections import deque
 
 import torch
 
-from mpprefill.worker.base import ForwardResult, ForwardSnapshot, Worker, WorkerDied
+from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied
 from mpprefill.worker.fence import KVWriteFence
 from mpprefill.worker.runner import ForwardRunner
 
@@ -21,75 +27,90 @@ class _LocalWorker(Worker):
     def kv_cache(self):
         return self.runner.kv
 
-    def _run(self, snap: ForwardSnapshot, early_send_prefix: bool) -> ForwardResult:
-        if early_send_prefix and self.early_send_hook is not None:
-            self.early_send_hook(snap)
-        out = self.runner.forward(snap.forward, snap.sampling, snap.delay_sample, snap.seq)
-        return ForwardResult(snap.seq, out.next_token_ids, out.logits, out.forward_s)
+    def _run(self, inp: ForwardInput) -> ForwardResult:
+        out = self.runner.forward(inp)
+        return ForwardResult(
+            inp.seq, out.next_token_ids, out.logits, out.forward_s, out.start_ns, out.end_ns
+        )
 
-    def sample(self, result: ForwardResult, snap: ForwardSnapshot) -> torch.Tensor:
+    def sample(self, inp: ForwardInput) -> torch.Tensor:
         # NOTE: called only after collect(), so the worker is idle here.
-        return self.runner.sample(result.logits, snap.sampling)
+        return self.runner.sample(self._last_logits, inp.sampling)
+
+    def _collected(self, result: ForwardResult) -> ForwardResult:
+        self._last_logits = result.logits  # for a deferred sample
+        return result
 
 
 class InlineWorker(_LocalWorker):
     """run_batch on the scheduler thread: the forward runs inside collect()."""
 
-    kind = "inline"
-
     def __init__(self, runner: ForwardRunner):
         super().__init__(runner)
-        self._pending: tuple[ForwardSnapshot, bool] | None = None
+        self._pending: ForwardInput | None = None
 
-    def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:
+    def submit(self, inp: ForwardInput) -> None:
         if self._pending is not None:
             raise RuntimeError("submit before the previous forward was collected")
-        self._pending = (snap, early_send_prefix)
+        self._pending = inp
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
         if self._pending is None:
             raise RuntimeError("collect with nothing submitted")
-        pending, self._pending = self._pending, None
-        return self._run(*pending)
+        inp = self._pending
+        self._pending = None
+        return self._collected(self._run(inp))
 
 
 class ThreadWorker(_LocalWorker):
-    """A forward thread with an input and an output queue of capacity one each.
+    """A forward thread with an input and an output queue of capacity one each: one
+    forward runs while the next waits in the input queue.
 
     With a page size it keeps a KV write fence: the scheduler thread writes KV pages too
     (host-store loads) while the forward thread runs, and may only touch pages no forward
     still writes.
     """
 
-    kind = "thread"
+    max_in_flight = 2
 
     def __init__(self, runner: ForwardRunner, page_size: int | None = None):
         super().__init__(runner)
-        self._in: queue.Queue = queue.Queue(maxsize=1)
+        self._in: queue.Queue = queue.Queue(maxsize=self.max_in_flight)
         self._out: queue.Queue = queue.Queue(maxsize=1)
-        self._pending = False
-        self._done_seq, self._done_cv = 0, threading.Condition()
+        self._pending: deque[ForwardInput] = deque()
+        self._done_seq = 0
+        self._done_at: dict[int, int] = {}  # seq -> when its device work ends (clock_ns)
+        self._done_cv = threading.Condition()
         if page_size is not None:
             num_pages = runner.kv.num_slots // page_size
-            self.kv_fence = KVWriteFence(
-                num_pages, page_size, self._wait_written, lambda seq: self._done_seq >= seq
-            )
+            self.kv_fence = KVWriteFence(num_pages, page_size, self._wait_written, self._written)
         self._thread = threading.Thread(target=self._loop, name="forward", daemon=True)
         self._thread.start()
 
-    def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:
-        if self._pending:
-            raise RuntimeError("submit before the previous forward was collected")
+    def submit(self, inp: ForwardInput) -> None:
+        if len(self._pending) >= self.max_in_flight:
+            raise RuntimeError(f"more than {self.max_in_flight} forwards submitted")
+        if self._pending and self._pending[-1].delay_sample:
+            raise RuntimeError("submit before the deferred sample of the previous forward")
         if self.kv_fence is not None:
-            self.kv_fence.note_writes(snap.seq, snap.forward.out_cache_loc)
-        self._in.put_nowait((snap, early_send_prefix))
-        self._pending = True
+            self.kv_fence.note_writes(inp.seq, inp.forward.out_cache_loc)
+        self._in.put_nowait(inp)
+        self._pending.append(inp)
+
+    def _written(self, seq: int) -> bool:
+        with self._done_cv:
+            if self._done_seq < seq:
+                return False
+            return self._done_at.get(seq, 0) / 1e9 <= time.monotonic()
 
     def _wait_written(self, seq: int) -> None:
         with self._done_cv:
             while self._done_seq < seq:
                 if not self._done_cv.wait(0.1) and not self._thread.is_alive():
                     raise WorkerDied("forward thread exited")
+            left = self._done_at.get(seq, 0) / 1e9 - time.monotonic()
+        if left > 0:
+            time.sleep(left)
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
         if not self._pending:
@@ -104,19 +125,23 @@ class ThreadWorker(_LocalWorker):
                     raise WorkerDied("forward thread exited") from None
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"forward not done within {timeout}s") from None
-        self._pending = False
+        self._pending.popleft()
         if isinstance(item, BaseException):
             raise WorkerDied(f"forward failed: {item!r}") from item
-        return item
+        return self._collected(item)
 
     def _loop(self) -> None:
-        while (item := self._in.get()) is not None:
+        while (inp := self._in.get()) is not None:
             try:
-                result = self._run(*item)
+                result = self._run(inp)
+                end_ns = result.end_ns
             except BaseException as e:  # handed to the scheduler, which decides
                 result = e
-            with self._done_cv:  # its KV writes are over, failed or not
-                self._done_seq = max(self._done_seq, item[0].seq)
+                end_ns = 0
+            with self._done_cv:  # its KV writes are issued, failed or not
+                self._done_seq = max(self._done_seq, inp.seq)
+                self._done_at[inp.seq] = end_ns
+                self._done_at.pop(inp.seq - 8, None)
                 self._done_cv.notify_all()
             self._out.put(result)
 

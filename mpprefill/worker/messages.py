@@ -43,11 +43,14 @@ class Sample:
 @dataclass(slots=True)
 class Done:
     """The forward (or sample) is issued; its results are readable once the event
-    "result_ready" reached its generation (at once on the CPU)."""
+    "result_ready" reached its generation (at once on the CPU; at `end_ns` on the
+    emulated accelerator)."""
 
     seq: int
     forward_s: float
     sampled: bool
+    start_ns: int = 0  # when the device began and finished the forward (clock_ns)
+    end_ns: int = 0
 
 
 @message

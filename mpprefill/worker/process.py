@@ -8,6 +8,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -17,12 +18,11 @@ from ipc.events import EventAbandoned, EventTimeout
 from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig
-from mpprefill.worker.base import ForwardResult, ForwardSnapshot, Worker, WorkerDied
+from mpprefill.model.loader import config_from_args
+from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied
+from mpprefill.worker.build import num_kv_slots, swa_slots
 from mpprefill.worker.device import DevicePlan
-from mpprefill.worker.factory import swa_slots
-from mpprefill.worker.fence import KVWriteFence
-from mpprefill.worker.messages import Done, Exit, Failed, Ready, Sample, Submit
-from mpprefill.worker.ordering import (
+from mpprefill.worker.events import (
     NUM_EVENTS,
     NUM_SLOTS,
     SchedulerOrder,
@@ -30,7 +30,10 @@ from mpprefill.worker.ordering import (
     make_events,
     sample_gen,
 )
-from mpprefill.worker.proc_main import WorkerSetup, worker_main
+from mpprefill.worker.fence import KVWriteFence
+from mpprefill.worker.forward_process import NUM_RESULT_SLOTS, WorkerSetup, worker_main
+from mpprefill.worker.hooks import DeviceHooks
+from mpprefill.worker.messages import Done, Exit, Failed, Ready, Sample, Submit
 from mpprefill.worker.staging import make_staging, staging_specs
 
 logger = logging.getLogger(__name__)
@@ -39,19 +42,21 @@ START_TIMEOUT = 300.0
 
 
 class ProcessWorker(Worker):
-    """Spawns the forward process; snapshots travel through two shared staging slots."""
+    """Spawns the forward process; inputs travel through two shared staging slots, results
+    through two result slots (forward N uses slot N % 2 of each)."""
 
-    kind = "process"
+    max_in_flight = 2
 
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, hooks: DeviceHooks | None = None):
         ipc.sweep_stale(TAG)
-        self.args, self.plan = args, DevicePlan.of(args.device, args.staging)
+        self.args = args
+        self.plan = DevicePlan.of(args.device, args.staging)
         self.prefix = ipc.new_prefix(TAG)
         self.max_reqs = args.max_running_requests
         self.staging = make_staging(_specs(args), self.prefix, self.plan)
         self._events_st = ipc.SharedTensor.create((NUM_EVENTS,), torch.int64, self.prefix)
         events, cuda_events = make_events(self.plan, "scheduler", self._events_st.tensor)
-        self._pending: ForwardSnapshot | None = None
+        self._pending: deque[ForwardInput] = deque()
         self._kv: KVCache | None = None
         self.channel = ipc.Channel(ipc.ipc_endpoint(f"fw-{self.prefix}"), bind=True)
         setup = WorkerSetup.of(
@@ -62,6 +67,7 @@ class ProcessWorker(Worker):
             cuda_events or None,
             self.staging.handles,
             self.max_reqs,
+            hooks or DeviceHooks.from_env(),
         )
         self.proc = mp.get_context("spawn").Process(
             target=worker_main,
@@ -91,7 +97,7 @@ class ProcessWorker(Worker):
         if self._kv is None:
             self._kv = KVCache.for_model(
                 self.model_config,
-                self.args.num_pages * self.args.page_size,
+                num_kv_slots(self.args),
                 buffer=ipc.open_handle(self._ready.kv),
                 num_swa_slots=swa_slots(self.args),
             )
@@ -101,44 +107,44 @@ class ProcessWorker(Worker):
     def pid(self) -> int:
         return self.proc.pid
 
-    def submit(self, snap: ForwardSnapshot, early_send_prefix: bool) -> None:
-        if early_send_prefix:
-            raise ValueError(
-                "the forward process cannot reach requests; early send "
-                "belongs to the scheduler thread"
-            )
-        if self._pending is not None:
-            raise RuntimeError("submit before the previous forward was collected")
-        slot = snap.seq % NUM_SLOTS
+    def submit(self, inp: ForwardInput) -> None:
+        if len(self._pending) >= self.max_in_flight:
+            raise RuntimeError(f"more than {self.max_in_flight} forwards submitted")
+        if self._pending and self._pending[-1].delay_sample:
+            raise RuntimeError("submit before the deferred sample of the previous forward")
+        slot = inp.seq % NUM_SLOTS
         with self._events():
-            counts = self.staging.write(slot, snap.seq, snap.forward, snap.sampling, self.order)
-        self.kv_fence.note_writes(snap.seq, snap.forward.out_cache_loc)
+            counts = self.staging.write(slot, inp.seq, inp.forward, inp.sampling, self.order)
+        self.kv_fence.note_writes(inp.seq, inp.forward.out_cache_loc)
         n_tok, n_req, n_kv = counts
-        self._put(Submit(snap.seq, slot, n_tok, n_req, n_kv, snap.delay_sample, snap.return_logits))
-        self._pending = snap
+        self._put(Submit(inp.seq, slot, n_tok, n_req, n_kv, inp.delay_sample, inp.return_logits))
+        self._pending.append(inp)
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
-        snap = self._pending
-        if snap is None:
+        if not self._pending:
             raise RuntimeError("collect with nothing submitted")
+        inp = self._pending[0]
         done = self._get(timeout)
-        t0 = time.perf_counter()
+        if done.seq != inp.seq:
+            raise WorkerDied(f"forward process answered {done.seq}, expected {inp.seq}")
+        _sleep_until_ns(done.end_ns)  # the device's own finish time, where it knows it
         with self._events():
             self.order.before_result(forward_gen(done.seq), timeout)
-        waited = time.perf_counter() - t0
-        self._pending = None
-        b = snap.forward.batch_size
-        tokens = self.result["tokens"][:b].clone() if done.sampled else None
-        want = snap.return_logits or snap.delay_sample
-        logits = self.result["logits"][:b].clone() if want else None
-        return ForwardResult(done.seq, tokens, logits, done.forward_s + waited)
+        self._pending.popleft()
+        b = inp.batch_size
+        row = inp.seq % NUM_RESULT_SLOTS
+        tokens = self.result["tokens"][row, :b].clone() if done.sampled else None
+        want = inp.return_logits or inp.delay_sample
+        logits = self.result["logits"][row, :b].clone() if want else None
+        return ForwardResult(done.seq, tokens, logits, done.forward_s, done.start_ns, done.end_ns)
 
-    def sample(self, result: ForwardResult, snap: ForwardSnapshot) -> torch.Tensor:
-        self._put(Sample(snap.seq))
+    def sample(self, inp: ForwardInput) -> torch.Tensor:
+        self._put(Sample(inp.seq))
         self._get(None)
         with self._events():
-            self.order.before_result(sample_gen(snap.seq))
-        return self.result["tokens"][: snap.forward.batch_size].clone()
+            self.order.before_result(sample_gen(inp.seq))
+        row = inp.seq % NUM_RESULT_SLOTS
+        return self.result["tokens"][row, : inp.batch_size].clone()
 
     @contextlib.contextmanager
     def _events(self) -> Iterator[None]:
@@ -193,6 +199,21 @@ class ProcessWorker(Worker):
         ipc.remove_prefix(self.prefix)  # whatever the forward process left behind
         self.channel.close()
 
+    def kill_now(self) -> None:
+        """Kill the forward process, then unlink every segment and the channel's socket."""
+        with contextlib.suppress(Exception):
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(1)
+            self.close()
+        ipc.remove_ipc_endpoint(self.channel.endpoint)
+
+
+def _sleep_until_ns(t_ns: int) -> None:
+    left = t_ns / 1e9 - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+
 
 def _specs(args: ServerArgs):
     ctx_len = args.context_length or 1 << 16
@@ -202,5 +223,5 @@ def _specs(args: ServerArgs):
         ctx_len if args.chunked_prefill_size == -1 else 0,
     )
     max_kv = args.max_running_requests * ctx_len
-    swa = args.model_config().has_sliding_layers
+    swa = config_from_args(args).has_sliding_layers
     return staging_specs(max_tokens, args.max_running_requests, max_kv, swa)

@@ -1,7 +1,13 @@
-"""ForwardRunner: forward and sampling next to the model and the KV pool."""
+"""ForwardRunner: forward and sampling next to the model and the KV pool.
+
+It knows nothing of requests: tensors in, logits and tokens out. Where the forward's
+device work completes later than the call returns (the emulated accelerator), the output
+says when (`ready_at`); readers of its results or KV pages wait for that time.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -10,6 +16,7 @@ from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, LlamaForCausalLM
 from mpprefill.sampling import SamplingBatchInfo, sample
 from mpprefill.trace.tracer import clock_ns, get_tracer
+from mpprefill.worker.api import ForwardInput
 
 T = TypeVar("T", ForwardBatch, SamplingBatchInfo)
 
@@ -17,35 +24,44 @@ T = TypeVar("T", ForwardBatch, SamplingBatchInfo)
 class RunOutput(NamedTuple):
     next_token_ids: torch.Tensor | None  # [B] int64; None when sampling is deferred
     logits: torch.Tensor  # [B, vocab] float32, last position of each request
-    forward_s: float
+    forward_s: float  # host time of the call
+    start_ns: int  # when the device began and finished this forward (clock_ns)
+    end_ns: int
+
+    @property
+    def ready_at(self) -> float:
+        """Monotonic seconds at which the results and KV writes are complete."""
+        return self.end_ns / 1e9
 
 
 class ForwardRunner:
-    """Knows nothing of requests: tensors in, logits and tokens out."""
+    """Runs one forward at a time on `kv.device`. `device` (optional) is an emulated
+    accelerator: it shrinks the batch the host computes and charges device time."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVCache):
-        self.model, self.kv = model, kv
+    def __init__(self, model: LlamaForCausalLM, kv: KVCache, device=None):
+        self.model = model
+        self.kv = kv
+        self.device = device
         self.vocab_size = model.config.vocab_size
         self.num_forwards = 0
 
     @torch.inference_mode()
-    def forward(
-        self,
-        fb: ForwardBatch,
-        sampling: SamplingBatchInfo,
-        delay_sample: bool = False,
-        seq: int = -1,
-    ) -> RunOutput:
+    def forward(self, inp: ForwardInput) -> RunOutput:
         t0 = clock_ns()
-        fb, sampling = self.on_device(fb), self.on_device(sampling)
-        logits = self.model(fb, self.kv)
-        tokens = None if delay_sample else sample(logits, sampling)
+        fb = self.on_device(inp.forward)
+        sampling = self.on_device(inp.sampling)
+        if self.device is None:
+            logits = self.model(fb, self.kv)
+        else:
+            logits = self.device.forward(self.model, fb, self.kv, inp.seq)
+        tokens = None if inp.delay_sample else sample(logits, sampling)
         self.num_forwards += 1
-        dur = clock_ns() - t0
+        t1 = clock_ns()
         tracer = get_tracer()
         if tracer.enabled:
-            tracer.record("F", t0, dur, seq)
-        return RunOutput(tokens, logits, dur / 1e9)
+            tracer.record("F", t0, t1 - t0, inp.seq)
+        start, end = (t0, t1) if self.device is None else self.device.last_span()
+        return RunOutput(tokens, logits, (t1 - t0) / 1e9, start, end)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingBatchInfo) -> torch.Tensor:
@@ -56,3 +72,7 @@ class ForwardRunner:
         the local workers hand over host tensors, the forward process device ones."""
         first = batch.input_ids if isinstance(batch, ForwardBatch) else batch.top_ps
         return batch if first.device == self.kv.device else batch.to(self.kv.device)
+
+
+def set_torch_threads(n: int) -> None:
+    torch.set_num_threads(n if n > 0 else max(1, os.cpu_count() or 1))

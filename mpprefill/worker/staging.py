@@ -4,21 +4,44 @@ Two slots alternate, so batch N+1 is written while batch N's slot is being read.
 is rewritten only after the forward that read it signalled "shared reads done" (the
 WAR barrier, `SchedulerOrder.before_write`). Where the slots live follows the device
 plan: POSIX shm (CPU, and pinned staging on a GPU) or device memory shared through CUDA
-IPC (`staging_cuda.CudaIpcStaging`). Slots are allocated once; their handles travel once,
-at spawn, and the worker opens them once.
+IPC (`CudaIpcStaging`). Slots are allocated once; their handles travel once, at spawn,
+and the worker opens them once.
+
+cuda-ipc: the scheduler allocates both slots on the device once and shares them through
+CUDA IPC; it fills a slot on its own copy stream (after a device-side wait on the slot's
+"reads done" event, then records "staged"), so the copies leave the host at once and the
+worker's stream waits for them on the device.
+
+pinned: the slots stay in host shared memory; the worker page-locks the segments once,
+then copies each batch in asynchronously on its forward stream. The scheduler never
+touches CUDA. The result slot (host shared memory) is page-locked the same way.
+
+Default: pinned, pending GPU numbers. A batch's inputs are small (int64 per new token
+plus the page-table rows: hundreds of KiB, a few MiB at most, tens of microseconds over
+PCIe), and the forward stream copies batch N+1 in right after forward N, so cuda-ipc's
+separate copy engine buys little. Pinned keeps the scheduler free of a CUDA context
+(memory, start-up time, CUDA calls holding its GIL), of CUDA IPC's lifetime rules (a
+consumer killed by a signal leaks the block while the producer lives; one open per
+process), and of a device-side wait it cannot time out; its cost is one host wait in the
+worker per forward, before the reply. cuda-ipc should win only if that wait shows up as
+a bubble: gpu_check.sh measures both (submit and collect-wait per batch).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 import ipc
+from ipc.cuda import pin
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling import SamplingBatchInfo
-from mpprefill.worker.device import DevicePlan, HostStream
-from mpprefill.worker.ordering import NUM_SLOTS, SchedulerOrder
+from mpprefill.worker.device import CudaStream, DevicePlan, HostStream
+from mpprefill.worker.events import NUM_SLOTS, SchedulerOrder
+
+logger = logging.getLogger(__name__)
 
 FB_FIELDS = ("input_ids", "positions", "out_cache_loc", "prefix_lens", "extend_lens", "kv_indices")
 SWA_FIELDS = ("swa_out_cache_loc", "swa_kv_indices")  # only in slots of sliding-window models
@@ -78,13 +101,20 @@ class ShmStaging:
             b.unlink()
 
 
+class CudaIpcStaging(ShmStaging):
+    """Slots in device memory; the scheduler's writes are copies on its copy stream."""
+
+    kind = "cuda-ipc"
+    device = "cuda"
+    non_blocking = True  # NOTE: from pageable memory the copy returns once it is staged
+
+    def new_stream(self) -> CudaStream:
+        return CudaStream()
+
+
 def staging_class(plan: DevicePlan) -> type[ShmStaging]:
     """The scheduler's staging for a plan (its `device` is `plan.slot_device`)."""
-    if plan.staging == "cuda-ipc":
-        from mpprefill.worker.staging_cuda import CudaIpcStaging
-
-        return CudaIpcStaging
-    return ShmStaging
+    return CudaIpcStaging if plan.staging == "cuda-ipc" else ShmStaging
 
 
 def make_staging(specs: ipc.bundle.Specs, prefix: str, plan: DevicePlan) -> ShmStaging:
@@ -147,3 +177,19 @@ def check_capacity(fb: ForwardBatch, specs: ipc.bundle.Specs) -> None:
             raise ValueError(
                 f"batch field {name} has {len(getattr(fb, name))} entries, staging holds {cap}"
             )
+
+
+def pin_segments(handles: list[ipc.TensorHandle]) -> list[torch.Tensor]:
+    """Page-lock the whole host segments behind `handles`, once each; returns the pinned
+    views (kept by the caller for as long as the mapping lives)."""
+    pinned, seen = [], set()
+    for h in handles:
+        if h.kind != "shm" or h.name in seen:
+            continue
+        seen.add(h.name)
+        whole = ipc.open_handle(ipc.TensorHandle("shm", h.name, "uint8", (h.nbytes,), 0, h.nbytes))
+        if pin(whole):
+            pinned.append(whole)
+        else:
+            logger.warning("could not page-lock %s; its copies will be synchronous", h.name)
+    return pinned

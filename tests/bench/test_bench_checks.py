@@ -20,16 +20,31 @@ def test_run_problems_names_every_bad_run():
     assert run_problems({"runs": [_run(), _run(mode="normal")]}) == []
     bad = run_problems({"runs": [_run(num_failed=2), _run(mode="x", num_unverified=1)]})
     assert bad == ["proc: 2 failed requests", "x: 1 replies failed --verify"]
-    sweep = {"sweep": [{"runs": [_run()]}, {"runs": [_run(leaks={"ok": False})]}]}
+    sweep = {"points": [{"runs": [_run()]}, {"runs": [_run(leaks={"ok": False})]}]}
     assert len(run_problems(sweep)) == 1 and "leaks" in run_problems(sweep)[0]
 
 
 @pytest.mark.timeout(400)
 def test_sliding_window_bench_verifies_on_the_decode_side(tmp_path):
     path = tmp_path / "bench.json"
-    _mpprefill("bench", "--modes", "proc-ahead", "--num-requests", "12", "--prompt-len",
-               "160", "--chunked-prefill-size", "64", "--sliding-window", "32",
-               "--swa-layers", "sf", "--verify", "--json", str(path))
+    _mpprefill(
+        "bench",
+        "--modes",
+        "proc-ahead",
+        "--num-requests",
+        "12",
+        "--prompt-len",
+        "160",
+        "--chunked-prefill-size",
+        "64",
+        "--sliding-window",
+        "32",
+        "--swa-layers",
+        "sf",
+        "--verify",
+        "--json",
+        str(path),
+    )
     (run,) = json.loads(path.read_text())["runs"]
     assert run["num_finished"] == 12 and run["num_unverified"] == 0 and run["leaks"]["ok"]
     assert json.loads(path.read_text())["config"]["server"]["sliding_window"] == 32

@@ -13,7 +13,7 @@ import torch
 import ipc
 from ipc.cuda import CudaGenEvent, CudaIpcEvent, HostFencedEvent
 from ipc.events import ShmEvent
-from mpprefill.worker.staging_cuda import pin_segments
+from mpprefill.worker.staging import pin_segments
 from tests.gpu import children
 from tests.gpu.children import GpuNote, pattern
 

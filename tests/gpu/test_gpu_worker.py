@@ -12,11 +12,11 @@ import torch
 
 from mpprefill.config import FORWARD_MODES, ServerArgs
 from mpprefill.engine import PrefillEngine
-from mpprefill.worker.base import WorkerDied
-from mpprefill.worker.ordering import SchedulerOrder
+from mpprefill.worker.api import WorkerDied
+from mpprefill.worker.events import SchedulerOrder
 from mpprefill.worker.process import ProcessWorker
 from tests.scheduling.test_engine import shared_prefix_prompts
-from tests.worker.helpers import RecordingTransfer, snapshot
+from tests.worker.helpers import RecordingTransfer, forward_input
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,7 +107,7 @@ def test_kv_reads_wait_for_the_forward_on_gpu(monkeypatch, staging, fenced):
         assert worker.kv_cache.device.type == "cuda"
         backend = RecordingTransfer(worker.kv_cache, 16, fence=worker.kv_fence if fenced else None)
         vocab = worker.model_config.vocab_size
-        worker.submit(snapshot(1, list(range(1, 33)), list(range(32, 64)), vocab), False)
+        worker.submit(forward_input(1, list(range(1, 33)), list(range(32, 64)), vocab))
         backend.ready_sender(3, 2).send(torch.tensor([2, 3]), last=True, first_token=0)
         (read,) = backend.wait_reads()
         worker.collect(timeout=60)

@@ -11,6 +11,7 @@ import torch
 from mpprefill.bench.runner import BenchConfig
 from mpprefill.config import ServerArgs
 from mpprefill.engine import PrefillEngine
+from mpprefill.flags import add_flags, from_namespace
 from tests.scheduling.test_engine import dense_last_logits
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,13 +82,13 @@ def host_bytes(tier) -> tuple[dict, torch.Tensor]:
     return chains, tier.store.kv.gather(tier.store.slots_of(entries)).view(torch.uint8)
 
 
-def test_batched_and_per_request_staging_store_the_same_bytes():
+def test_batched_and_per_request_writeback_store_the_same_bytes():
     _, _, _, batched = run_two_passes("normal", host_store_size=4096)
-    _, _, _, single = run_two_passes("normal", host_store_size=4096, disable_batched_staging=True)
+    _, _, _, single = run_two_passes("normal", host_store_size=4096, disable_batched_writeback=True)
     chains_b, bytes_b = host_bytes(batched)
     chains_s, bytes_s = host_bytes(single)
     assert chains_b == chains_s and torch.equal(bytes_b, bytes_s)
-    assert batched.staging_calls < single.staging_calls
+    assert batched.writeback_calls < single.writeback_calls
 
 
 def test_host_store_is_off_by_default_and_flags_are_checked():
@@ -100,16 +101,16 @@ def test_host_store_is_off_by_default_and_flags_are_checked():
     with pytest.raises(ValueError, match="host-store-size"):
         ServerArgs(host_store_size=8, page_size=16)
     ap = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(ap)
+    add_flags(ap, ServerArgs)
     ns = ap.parse_args(["--host-store-size", "4096", "--disable-batched-staging"])
-    args = ServerArgs.from_cli(ns)
-    assert args.host_store_size == 4096 and args.disable_batched_staging
+    args = from_namespace(ServerArgs, ns)
+    assert args.host_store_size == 4096 and args.disable_batched_writeback  # old name, alias
 
 
 def test_bench_passes_the_host_store_flags_to_the_server():
     plain = BenchConfig(ServerArgs(), ["proc-ahead"]).server_flags("proc-ahead", None)
-    assert "--host-store-size" not in plain and "--disable-batched-staging" not in plain
-    server = ServerArgs(host_store_size=262144, disable_batched_staging=True)
+    assert "--host-store-size" not in plain and "--disable-batched-writeback" not in plain
+    server = ServerArgs(host_store_size=262144, disable_batched_writeback=True)
     flags = BenchConfig(server, ["proc-ahead"]).server_flags("proc-ahead", None)
     i = flags.index("--host-store-size")
-    assert flags[i + 1] == "262144" and "--disable-batched-staging" in flags
+    assert flags[i + 1] == "262144" and "--disable-batched-writeback" in flags

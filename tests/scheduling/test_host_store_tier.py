@@ -1,11 +1,11 @@
-"""HostTier on a real radix cache and KV pool: batched vs per-request staging, loads."""
+"""HostTier on a real radix cache and KV pool: batched vs per-request write-back, loads."""
 
 from __future__ import annotations
 
 import torch
 
 from mpprefill.memory.allocator import PagedTokenAllocator
-from mpprefill.memory.host_store import HostKVStore
+from mpprefill.memory.host.store import HostKVStore
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.memory.radix_cache import RadixCache
 from mpprefill.memory.req_to_token import ReqToTokenPool
@@ -56,7 +56,7 @@ def prompts() -> list[list[int]]:
     return [system + [100 + i] * (2 * PS + i) for i in range(3)] + [[500] * (2 * PS + 1)]
 
 
-def staged_store(batched: bool) -> tuple[HostTier, list[Req], int]:
+def written_back_store(batched: bool) -> tuple[HostTier, list[Req], int]:
     torch.manual_seed(0)
     dev = Device()
     reqs = [dev.finish(p) for p in prompts()]
@@ -76,11 +76,11 @@ def staged_store(batched: bool) -> tuple[HostTier, list[Req], int]:
     return tier, reqs, len(writes)
 
 
-def test_batched_staging_is_one_write_and_byte_identical_to_per_request():
-    batched, reqs, n_batched = staged_store(True)
-    single, _, n_single = staged_store(False)
-    assert n_batched == 1 and batched.staging_calls == 1
-    assert n_single == len(reqs) == single.staging_calls
+def test_batched_writeback_is_one_write_and_byte_identical_to_per_request():
+    batched, reqs, n_batched = written_back_store(True)
+    single, _, n_single = written_back_store(False)
+    assert n_batched == 1 and batched.writeback_calls == 1
+    assert n_single == len(reqs) == single.writeback_calls
     held = torch.cat([batched.store.slots_of(list(batched.store.index.entries()))]).sort().values
     assert torch.equal(
         held, single.store.slots_of(list(single.store.index.entries())).sort().values

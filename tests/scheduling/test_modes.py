@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -10,8 +11,9 @@ import torch
 
 from mpprefill.config import FORWARD_MODES
 from mpprefill.engine import PrefillEngine
+from mpprefill.scheduling import batch as batch_mod
 from mpprefill.scheduling.invariants import InvariantError
-from mpprefill.worker import base as worker_base
+from mpprefill.trace.tracer import INSTANT, Tracer, set_tracer
 from tests.scheduling.test_engine import shared_prefix_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,10 +46,42 @@ def test_every_mode_gives_the_same_tokens_and_logits(mode, reference):
         torch.testing.assert_close(o.logits, r.logits, atol=1e-4, rtol=1e-4)
 
 
-def expected_steps(mode: str, n: int) -> list[tuple[str, int]]:
+STEP_NAMES = {
+    "A": "A",
+    "submit": "submit",
+    "collect-wait": "collect",
+    "S": "S",
+    "P": "P",
+    "early-send": "early_send",
+}
+
+
+@contextlib.contextmanager
+def traced_steps():
+    """The scheduler thread's steps, (name, seq) in the order they ended, from the tracer."""
+    tracer = Tracer("test", enabled=True)
+    prev = set_tracer(tracer)
+    steps: list[tuple[str, int]] = []
+    try:
+        yield steps
+    finally:
+        set_tracer(prev)
+        main = threading.get_native_id()
+        recs = [r for r in tracer.records if r[1] == main and r[0] in STEP_NAMES]
+        recs = [r for r in recs if r[3] != INSTANT and not (r[0] == "A" and r[4] < 0)]
+        recs.sort(key=lambda r: r[2] + r[3])
+        steps.extend((STEP_NAMES[r[0]], r[4]) for r in recs)
+
+
+def expected_steps(mode: str, n: int, deferred: bool = True) -> list[tuple[str, int]]:
     """DESIGN.md's order for batches 1..n, one batch per iteration, then the drain."""
     out: list[tuple[str, int]] = []
-    if mode == "normal":
+    if mode in ("thread-ahead", "proc-ahead") and not deferred:
+        out += [("A", 1), ("submit", 1)]
+        for k in range(2, n + 1):
+            out += [("A", k), ("submit", k), ("collect", k - 1), ("P", k - 1)]
+        out += [("collect", n), ("P", n)]
+    elif mode == "normal":
         for k in range(1, n + 1):
             out += [("A", k), ("submit", k), ("collect", k), ("S", k), ("P", k)]
     elif mode in ("overlap", "thread", "proc"):
@@ -68,13 +102,26 @@ def expected_steps(mode: str, n: int) -> list[tuple[str, int]]:
 def test_loop_order_matches_design(mode):
     # One request per batch; none shares a page with another, so no early sends.
     prompts = [[100 + i] * (17 + 3 * i) for i in range(5)]
-    with PrefillEngine(
-        forward_mode=mode, max_running_requests=1, delay_sampling=True, page_size=16
-    ) as eng:
-        eng.scheduler.steps = []
+    with (
+        PrefillEngine(
+            forward_mode=mode, max_running_requests=1, delay_sampling=True, page_size=16
+        ) as eng,
+        traced_steps() as steps,
+    ):
         eng.prefill(prompts)
-        steps = [s for s in eng.scheduler.steps if s[0] != "early_send"]
-    assert steps == expected_steps(mode, len(prompts))
+    assert [s for s in steps if s[0] != "early_send"] == expected_steps(mode, len(prompts))
+
+
+@pytest.mark.parametrize("mode", ["thread-ahead", "proc-ahead"])
+def test_ahead_loops_submit_the_next_batch_before_collecting(mode):
+    """Without deferred sampling the worker is handed N + 1 while it runs N."""
+    prompts = [[100 + i] * (17 + 3 * i) for i in range(5)]
+    with PrefillEngine(forward_mode=mode, max_running_requests=1, page_size=16) as eng:
+        with traced_steps() as steps:
+            eng.prefill(prompts)
+        eng.check_invariants(flush=True)
+    got = [s for s in steps if s[0] != "early_send"]
+    assert got == expected_steps(mode, len(prompts), deferred=False)
 
 
 @pytest.mark.parametrize("mode", ["thread-ahead", "proc-ahead"])
@@ -85,23 +132,23 @@ def test_snapshot_isolated_from_live_batch(mode, reference, monkeypatch):
     prompts, ref = reference
     with PrefillEngine(forward_mode=mode, **ENGINE_KW) as eng:
         s = eng.scheduler
-        if eng.worker.kind == "thread":  # make the forward read late
+        if mode == "thread-ahead":  # make the forward read late
             forward = eng.worker.runner.forward
             eng.worker.runner.forward = lambda *a: (time.sleep(0.01), forward(*a))[1]
         live = []
-        take = worker_base.ForwardSnapshot.take
+        take = batch_mod.ForwardSnapshot.take
 
         def spy(batch):
             live.append(batch)
             return take(batch)
 
-        monkeypatch.setattr(worker_base.ForwardSnapshot, "take", staticmethod(spy))
+        monkeypatch.setattr(batch_mod.ForwardSnapshot, "take", staticmethod(spy))
         submit = s.submit
 
-        def submit_then_mutate(snap, early_send_prefix):
-            submit(snap, early_send_prefix)
+        def submit_then_mutate(snap):
+            submit(snap)
             batch = live[-1]
-            batch.filter([])  # admission-style in-place filter
+            batch.sampling_info.filter([])  # admission-style in-place filter
             batch.forward, batch.reqs, batch.fill_lens = None, [], []
 
         s.submit = submit_then_mutate
@@ -116,14 +163,14 @@ def test_decrement_on_a_copy_would_leak_and_is_caught(monkeypatch):
     copy and the request would never finish cleanly: the invariants must notice."""
     import copy
 
-    take = worker_base.ForwardSnapshot.take
+    take = batch_mod.ForwardSnapshot.take
 
     def take_with_copied_reqs(batch):
         snap = take(batch)
         snap.batch.reqs = [copy.copy(r) for r in batch.reqs]
         return snap
 
-    monkeypatch.setattr(worker_base.ForwardSnapshot, "take", staticmethod(take_with_copied_reqs))
+    monkeypatch.setattr(batch_mod.ForwardSnapshot, "take", staticmethod(take_with_copied_reqs))
     with PrefillEngine(forward_mode="thread-ahead", page_size=16, chunked_prefill_size=32) as eng:
         with pytest.raises(TimeoutError):
             eng.prefill([[3] * 100], timeout=5.0)
@@ -134,7 +181,7 @@ def test_decrement_on_a_copy_would_leak_and_is_caught(monkeypatch):
         assert eng.scheduler.req_pool.available_size() < eng.scheduler.req_pool.size
 
 
-@pytest.mark.parametrize("mode", ["thread-ahead", "proc", "proc-ahead"])
+@pytest.mark.parametrize("mode", FORWARD_MODES)
 def test_early_send_on_scheduler_thread_once_per_page(mode):
     prompts = shared_prefix_prompts(3, n=10)
     with PrefillEngine(forward_mode=mode, **ENGINE_KW) as eng:
@@ -148,30 +195,36 @@ def test_early_send_on_scheduler_thread_once_per_page(mode):
             send_kv_chunk(req, last, end_idx)
 
         s.send_kv_chunk = spy
-        s.steps = []
         finished = []
         s.on_finish = finished.append
-        eng.prefill(prompts)
+        with traced_steps() as steps:
+            eng.prefill(prompts)
     assert threads == {threading.get_ident()}
-    early = [i for i, st in enumerate(s.steps) if st[0] == "early_send"]
+    early = [i for i, st in enumerate(steps) if st[0] == "early_send"]
     assert early, "the workload has cache hits, so some prefix must go out early"
     for i in early:  # each early send precedes the submit of its batch
-        after = [st[0] for st in s.steps[i + 1 :] if st[0] != "early_send"]
+        after = [st[0] for st in steps[i + 1 :] if st[0] != "early_send"]
         assert after[0] == "submit"
     for req in finished:
         pages = req.sender.sent_pages
         assert len(pages) == len(set(pages)) == -(-req.prompt_len // 16)
 
 
-@pytest.mark.parametrize("env,flags,expected", [
-    ({}, {}, "proc-ahead"),
-    ({"SGLANG_ENABLE_PREFILL_FWD_THREAD": "1"}, {}, "thread"),
-    ({"SGLANG_ENABLE_PREFILL_FWD_THREAD": "1", "SGLANG_PREFILL_FWD_THREAD_AHEAD": "1"}, {},
-     "thread-ahead"),
-    ({"MPPREFILL_FORWARD_MODE": "proc"}, {}, "proc"),
-    ({"MPPREFILL_FORWARD_MODE": "proc"}, {"disable_overlap": True}, "normal"),
-    ({"SGLANG_ENABLE_PREFILL_FWD_THREAD": "1"}, {"mode": "overlap"}, "overlap"),
-])
+@pytest.mark.parametrize(
+    "env,flags,expected",
+    [
+        ({}, {}, "proc-ahead"),
+        ({"SGLANG_ENABLE_PREFILL_FWD_THREAD": "1"}, {}, "thread"),
+        (
+            {"SGLANG_ENABLE_PREFILL_FWD_THREAD": "1", "SGLANG_PREFILL_FWD_THREAD_AHEAD": "1"},
+            {},
+            "thread-ahead",
+        ),
+        ({"MPPREFILL_FORWARD_MODE": "proc"}, {}, "proc"),
+        ({"MPPREFILL_FORWARD_MODE": "proc"}, {"disable_overlap": True}, "normal"),
+        ({"SGLANG_ENABLE_PREFILL_FWD_THREAD": "1"}, {"mode": "overlap"}, "overlap"),
+    ],
+)
 def test_mode_dispatch_and_env_aliases(env, flags, expected):
     from mpprefill.config import resolve_forward_mode
 
@@ -179,11 +232,14 @@ def test_mode_dispatch_and_env_aliases(env, flags, expected):
     assert got == expected
 
 
-@pytest.mark.parametrize("kw,why", [
-    (dict(forward_mode="proc-ahead", disable_overlap_schedule=True), "disable-overlap"),
-    (dict(forward_mode="thread", disaggregation_mode="null"), "disaggregation-mode prefill"),
-    (dict(forward_mode="normal", pp_size=2), "pipeline"),
-])
+@pytest.mark.parametrize(
+    "kw,why",
+    [
+        (dict(forward_mode="proc-ahead", disable_overlap_schedule=True), "disable-overlap"),
+        (dict(forward_mode="thread", disaggregation_mode="null"), "disaggregation-mode prefill"),
+        (dict(forward_mode="normal", pp_size=2), "pipeline"),
+    ],
+)
 def test_mode_outside_its_conditions_is_a_startup_error(kw, why):
     from mpprefill.config import ServerArgs
 

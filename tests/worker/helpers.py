@@ -10,7 +10,7 @@ import torch
 from mpprefill.disagg.transfer import TransferBackend
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling import SamplingBatchInfo, SamplingParams
-from mpprefill.worker.base import ForwardSnapshot
+from mpprefill.worker.api import ForwardInput
 
 
 class RecordingTransfer(TransferBackend):
@@ -43,8 +43,8 @@ class RecordingTransfer(TransferBackend):
         return self.reads
 
 
-def snapshot(seq: int, ids: list[int], slots: list[int], vocab: int) -> ForwardSnapshot:
+def forward_input(seq: int, ids: list[int], slots: list[int], vocab: int) -> ForwardInput:
     """One request without prefix: `ids` written to KV `slots`."""
     fb = ForwardBatch.build([ids], [0], [slots])
     info = SamplingBatchInfo.from_params([SamplingParams()], vocab)
-    return ForwardSnapshot(seq=seq, batch=None, forward=fb, sampling=info)
+    return ForwardInput(seq, fb, info)

@@ -15,12 +15,13 @@ from ipc.events import EventAbandoned, EventTimeout, ShmEvent
 from mpprefill.config import ServerArgs
 from mpprefill.engine import PrefillEngine
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.worker.device import DevicePlan, HostStream, make_stream
-from mpprefill.worker.emulation import LaggingStream
+from mpprefill.worker.device import DevicePlan, HostStream
+from mpprefill.worker.events import NUM_EVENTS, SchedulerOrder, WorkerOrder, make_events
 from mpprefill.worker.fence import KVWriteFence
-from mpprefill.worker.ordering import NUM_EVENTS, SchedulerOrder, WorkerOrder, make_events
+from mpprefill.worker.hooks import DeviceHooks, LaggingStream
 from mpprefill.worker.process import ProcessWorker
 from mpprefill.worker.staging import (
+    CudaIpcStaging,
     ShmStaging,
     make_staging,
     read_slot,
@@ -28,8 +29,7 @@ from mpprefill.worker.staging import (
     staging_specs,
     write_slot,
 )
-from mpprefill.worker.staging_cuda import CudaIpcStaging
-from tests.worker.helpers import RecordingTransfer, snapshot
+from tests.worker.helpers import RecordingTransfer, forward_input
 
 pytestmark = pytest.mark.timeout(180)
 PLANS = {
@@ -83,7 +83,7 @@ def test_events_built_without_cuda(plan):
     assert type(worker.result_ready) is kind
 
 
-def test_staging_and_stream_selection(monkeypatch):
+def test_staging_and_stream_selection():
     assert staging_class(PLANS["cpu"]) is ShmStaging
     assert staging_class(PLANS["pinned"]) is ShmStaging  # the worker page-locks it
     assert staging_class(PLANS["cuda-ipc"]) is CudaIpcStaging
@@ -96,16 +96,16 @@ def test_staging_and_stream_selection(monkeypatch):
         assert staging.bundles[0].tensors["input_ids"].device.type == "cpu"
     finally:
         staging.unlink()
-    assert type(make_stream(PLANS["cpu"])) is HostStream
-    monkeypatch.setenv("MPPREFILL_TEST_SLOW_DEVICE", "0.01")
-    stream = make_stream(PLANS["cpu"])
+    assert type(DeviceHooks().stream(PLANS["cpu"])) is HostStream
+    assert DeviceHooks.from_env({"MPPREFILL_TEST_SLOW_DEVICE": "0.01"}).slow_device_s == 0.01
+    stream = DeviceHooks(slow_device_s=0.01).stream(PLANS["cpu"])
     assert isinstance(stream, LaggingStream)
     stream.drain()
 
 
 def test_read_slot_copies_when_the_slot_lives_elsewhere():
     slot = {n: torch.zeros(s, dtype=d) for n, (s, d) in staging_specs(32, 2, 64).items()}
-    snap = snapshot(1, list(range(1, 21)), list(range(20)), vocab=100)
+    snap = forward_input(1, list(range(1, 21)), list(range(20)), vocab=100)
     counts = write_slot(slot, snap.forward, snap.sampling)
     fb, sampling, copied = read_slot(slot, *counts)
     assert not copied and fb.input_ids.data_ptr() == slot["input_ids"].data_ptr()
@@ -121,7 +121,8 @@ def _orders(alive=lambda: True):
     table = torch.zeros(NUM_EVENTS, dtype=torch.int64)
     sched, _ = make_events(PLANS["cpu"], "scheduler", table)
     work, _ = make_events(PLANS["cpu"], "worker", table)
-    return SchedulerOrder(sched, alive, timeout=5), WorkerOrder(work, alive, timeout=5)
+    record = HostStream().record
+    return SchedulerOrder(sched, alive, timeout=5), WorkerOrder(work, alive, record, timeout=5)
 
 
 def _later(delay: float, fn) -> threading.Thread:
@@ -212,19 +213,18 @@ def _small_args(**kw) -> ServerArgs:
 
 
 @pytest.mark.parametrize("fenced", [True, False])
-def test_early_send_waits_for_the_forward_in_flight(monkeypatch, fenced):
+def test_early_send_waits_for_the_forward_in_flight(fenced):
     """The device lags: the worker replies before its forward ran. An early send of
     pages that forward writes (a cached prefix whose last chunk is still computing, the
     upstream race) must read them only after "forward done"."""
-    monkeypatch.setenv("MPPREFILL_TEST_SLOW_DEVICE", "0.4")
-    worker = ProcessWorker(_small_args())
+    worker = ProcessWorker(_small_args(), DeviceHooks(slow_device_s=0.4))
     backend = None
     try:
         assert worker.staging.kind == "shm"
         assert all(type(e) is ShmEvent for e in worker.order.events.all())
         backend = RecordingTransfer(worker.kv_cache, 16, fence=worker.kv_fence if fenced else None)
         vocab = worker.model_config.vocab_size
-        worker.submit(snapshot(1, list(range(1, 33)), list(range(32, 64)), vocab), False)
+        worker.submit(forward_input(1, list(range(1, 33)), list(range(32, 64)), vocab))
         backend.ready_sender(3, 2).send(torch.tensor([2, 3]), last=True, first_token=0)
         (read,) = backend.wait_reads()
         result = worker.collect(timeout=30)

@@ -11,8 +11,8 @@ import pytest
 
 import ipc
 from mpprefill.engine import PrefillEngine
-from mpprefill.worker.base import WorkerDied
-from mpprefill.worker.ordering import SchedulerOrder
+from mpprefill.worker.api import WorkerDied
+from mpprefill.worker.events import SchedulerOrder
 
 pytestmark = pytest.mark.timeout(180)
 

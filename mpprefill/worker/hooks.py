@@ -1,13 +1,17 @@
 """Test hooks that make a forward process behave like a slow asynchronous device.
 
-- `LaggingStream` (MPPREFILL_TEST_SLOW_DEVICE=s, CPU): issued work runs in order on a
-  thread, s seconds late, so the worker replies before its forward ran, as a GPU worker
-  does. Results and KV pages are then correct only if readers wait on their events. On
-  a GPU the same hook puts a device-side sleep before each piece (`device.CudaStream`).
-- `LateReads` (MPPREFILL_TEST_SLOW_READS=s): the reads of a staging slot end s seconds
+They are read from the environment here and nowhere else (`DeviceHooks.from_env`, by the
+server's side at spawn), then carried to the forward process in its set-up:
+
+- `slow_device_s` (MPPREFILL_TEST_SLOW_DEVICE): issued work runs `s` seconds late. On the
+  CPU (`LaggingStream`) it runs in order on a thread, so the worker replies before its
+  forward ran, as a GPU worker does; results and KV pages are then correct only if
+  readers wait on their events. On a GPU a device-side sleep goes before each piece.
+- `slow_reads_s` (MPPREFILL_TEST_SLOW_READS): the reads of a staging slot end `s` seconds
   after the result is out, concurrently with the next forward, as when a device still
-  reads the inputs. A rewrite of the slot meanwhile (a missing WAR barrier) is caught
-  and reported at the worker's next message. The CUDA variant reads on a side stream.
+  reads the inputs (`LateReads`). A rewrite of the slot meanwhile (a missing WAR barrier)
+  is caught and reported at the worker's next message. The CUDA variant reads on a side
+  stream.
 """
 
 from __future__ import annotations
@@ -17,16 +21,46 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from mpprefill.model import ForwardBatch
-from mpprefill.worker.device import CLOCK_HZ, HostStream
+from mpprefill.worker.device import CLOCK_HZ, CudaStream, DevicePlan, HostStream
 
+SLOW_DEVICE_ENV = "MPPREFILL_TEST_SLOW_DEVICE"
 SLOW_READS_ENV = "MPPREFILL_TEST_SLOW_READS"
 
 
+@dataclass(frozen=True)  # NOTE: no slots: it crosses spawn by pickle, also on Python 3.10
+class DeviceHooks:
+    slow_device_s: float = 0.0
+    slow_reads_s: float = 0.0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> DeviceHooks:
+        env = os.environ if env is None else env
+        return cls(float(env.get(SLOW_DEVICE_ENV, 0)), float(env.get(SLOW_READS_ENV, 0)))
+
+    def stream(self, plan: DevicePlan) -> HostStream:
+        """The forward stream, lagging when asked."""
+        if plan.device == "cuda":
+            return CudaStream(self.slow_device_s)
+        if self.slow_device_s > 0:
+            return LaggingStream(self.slow_device_s)
+        return HostStream()
+
+    def late_reads(self, plan: DevicePlan) -> LateReads | None:
+        if self.slow_reads_s <= 0:
+            return None
+        if plan.device == "cuda":
+            return CudaLateReads(self.slow_reads_s)
+        return LateReads(self.slow_reads_s)
+
+
 class LaggingStream(HostStream):
+    runs_elsewhere = True
+
     def __init__(self, lag: float):
         self.lag, self.error = lag, None
         self._work: queue.SimpleQueue = queue.SimpleQueue()
@@ -56,13 +90,6 @@ class LaggingStream(HostStream):
             except BaseException as e:  # raised on the issuing thread by check()
                 self.error = e
                 return
-
-
-def late_reads(device: str) -> LateReads | None:
-    delay = float(os.environ.get(SLOW_READS_ENV, "0"))
-    if delay <= 0:
-        return None
-    return CudaLateReads(delay) if device == "cuda" else LateReads(delay)
 
 
 class LateReads:

@@ -10,6 +10,9 @@
 Generations: staged, reads_done and forward_done carry the batch's seq; result_ready
 carries 2 * seq for a forward and 2 * seq + 1 for its deferred sample. The event classes
 behind these names depend on the device (see `device.py`); the order does not.
+
+Two result slots alternate like the staging slots: forward N writes result slot N % 2,
+so the worker may run N + 1 while the scheduler has not yet read N's results.
 """
 
 from __future__ import annotations
@@ -87,7 +90,9 @@ class SchedulerOrder:
     complete, so results and KV pages are read only after their events."""
 
     def __init__(self, events: EventSet, alive: Callable[[], bool], timeout: float = WAIT_S):
-        self.events, self.alive, self.timeout = events, alive, timeout
+        self.events = events
+        self.alive = alive
+        self.timeout = timeout
         self.slot_seq = [0] * NUM_SLOTS  # the last forward staged in each slot
 
     def before_write(self, slot: int) -> None:
@@ -111,22 +116,32 @@ class SchedulerOrder:
 
 
 class WorkerOrder:
-    """The forward process's side; records land on its forward stream."""
+    """The forward process's side; records land on its forward stream (`record`), so they
+    mark the completion of the device work issued before them."""
 
-    def __init__(self, events: EventSet, alive: Callable[[], bool], timeout: float = WAIT_S):
-        self.events, self.alive, self.timeout = events, alive, timeout
+    def __init__(
+        self,
+        events: EventSet,
+        alive: Callable[[], bool],
+        record: Callable[[GenEvent, int], None],
+        timeout: float = WAIT_S,
+    ):
+        self.events = events
+        self.alive = alive
+        self.record = record
+        self.timeout = timeout
 
     def before_read(self, slot: int, seq: int) -> None:
         self.events.staged[slot].wait(seq, self.timeout, self.alive)
 
     def reads_done(self, slot: int, seq: int) -> None:
-        self.events.reads_done[slot].record(seq)
+        self.record(self.events.reads_done[slot], seq)
 
     def forward_done(self, seq: int) -> None:
-        self.events.forward_done.record(seq)
+        self.record(self.events.forward_done, seq)
 
     def result_ready(self, gen: int) -> None:
-        self.events.result_ready.record(gen)
+        self.record(self.events.result_ready, gen)
 
     def flush(self) -> None:
         """Publish what a host-only peer waits on; called before every reply."""

@@ -1,0 +1,38 @@
+"""What `stats` reports of a scheduler: queues, pools, counters, and the drained-state
+invariants when --check-invariants asks for them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mpprefill.scheduling.invariants import InvariantError, check_drained
+from mpprefill.scheduling.kv_pools import kv_stats
+
+if TYPE_CHECKING:
+    from mpprefill.scheduling.scheduler import Scheduler
+
+
+def scheduler_stats(s: Scheduler) -> dict:
+    return {
+        "queues": {
+            "bootstrap": len(s.bootstrap_queue),
+            "waiting": len(s.waiting),
+            "inflight": len(s.inflight_queue),
+            "live": len(s.live),
+        },
+        "kv": kv_stats(s.allocator, s.tree),
+        "req_slots": {"free": s.req_pool.available_size(), "total": s.req_pool.size},
+        "counters": s.metrics.to_dict(),
+        "invariants": _invariants(s),
+    }
+
+
+def _invariants(s: Scheduler) -> dict:
+    """The drained-state checks, whenever the scheduler is idle."""
+    if not s.args.check_invariants or s.live or s.forwards_in_flight:
+        return {"checked": False}
+    try:
+        check_drained(s)
+    except (InvariantError, AssertionError) as e:
+        return {"checked": True, "ok": False, "error": str(e)}
+    return {"checked": True, "ok": True}

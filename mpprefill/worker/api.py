@@ -1,0 +1,96 @@
+"""The worker boundary: what crosses it is tensors, never requests.
+
+The scheduler hands a worker a `ForwardInput` (the batch's tensors and sampling rows, tagged
+with the batch's sequence number) and gets a `ForwardResult` back. Up to `max_in_flight`
+forwards may be submitted before the oldest is collected; results come back in order. A
+result's tensors are read only after `wait_ready()`, as a GPU's outputs are read only
+after their copy completed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from mpprefill.model import ForwardBatch
+from mpprefill.sampling import SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from mpprefill.memory.kv_cache import KVCache
+    from mpprefill.worker.fence import KVWriteFence
+
+
+@dataclass(slots=True, eq=False)
+class ForwardInput:
+    """One forward as the worker sees it."""
+
+    seq: int
+    forward: ForwardBatch
+    sampling: SamplingBatchInfo
+    delay_sample: bool = False
+    return_logits: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.forward.batch_size
+
+
+class ForwardResult(NamedTuple):
+    seq: int
+    next_token_ids: torch.Tensor | None
+    logits: torch.Tensor | None
+    forward_s: float  # host time of the forward call (issue, plus the wait where it waited)
+    start_ns: int = 0  # when the worker (or its device) began and finished it, on clock_ns
+    end_ns: int = 0
+
+    def wait_ready(self) -> None:
+        """Return once the forward's device work is done (at once unless the device runs
+        behind the host, as the emulated accelerator does); sleeps without the GIL."""
+        left = self.end_ns / 1e9 - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+
+
+class WorkerDied(RuntimeError):
+    """The forward worker failed; every request in flight must get an error."""
+
+
+class Worker:
+    """submit(N) [submit(N+1)] collect() -> N [sample(N)] ...: forwards run one at a time,
+    in submission order."""
+
+    # How many forwards may be submitted and not yet collected: one running, one waiting.
+    max_in_flight = 1
+    # Readers and writers of the KV pool outside the worker (transfer backend, host store)
+    # pass this first; None where no forward runs while the scheduler thread works (inline).
+    kv_fence: KVWriteFence | None = None
+
+    def submit(self, inp: ForwardInput) -> None:
+        raise NotImplementedError
+
+    def collect(self, timeout: float | None = None) -> ForwardResult:
+        raise NotImplementedError
+
+    def sample(self, inp: ForwardInput) -> torch.Tensor:
+        """Deferred sampling of the last collected forward; the worker is idle here."""
+        raise NotImplementedError
+
+    @property
+    def mailbox_bytes(self) -> int:
+        """Bytes that crossed a process boundary so far (0 within one process)."""
+        return 0
+
+    def close(self) -> None:
+        pass
+
+    def kill_now(self) -> None:
+        """Stop at once, for a process that exits right after (a second signal)."""
+        self.close()
+
+    @property
+    def kv_cache(self) -> KVCache:
+        """The KV pool as the scheduler's transfer backend reads it."""
+        raise NotImplementedError

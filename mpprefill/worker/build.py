@@ -1,0 +1,54 @@
+"""Model, KV pool and runner for the worker's side, from the server's args."""
+
+from __future__ import annotations
+
+import torch
+
+from mpprefill.config import ServerArgs
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model import LlamaForCausalLM, ModelConfig
+from mpprefill.model.loader import config_from_args, model_from_args
+from mpprefill.worker.runner import ForwardRunner
+
+
+def swa_slots(args: ServerArgs) -> int:
+    """Slots of the SWA pool (for models with sliding-window layers)."""
+    return args.num_swa_pages * args.page_size
+
+
+def num_kv_slots(args: ServerArgs) -> int:
+    return args.num_pages * args.page_size
+
+
+def worker_model_config(args: ServerArgs) -> ModelConfig:
+    """The config of the model the worker runs (for an emulated device, the small-width
+    stand-in with the emulated model's layer count)."""
+    if args.device == "emulated":
+        from mpprefill.worker.emulated import host_config
+
+        return host_config(config_from_args(args), args.emulate_model)
+    return config_from_args(args)
+
+
+def worker_model(args: ServerArgs, device: str) -> LlamaForCausalLM:
+    if args.device == "emulated":
+        from mpprefill.worker.emulated import host_model
+
+        return host_model(worker_model_config(args), args.random_seed)
+    return model_from_args(args, device)
+
+
+def emulated_device(args: ServerArgs):
+    """The accelerator's clock for --device emulated, else None."""
+    if args.device != "emulated":
+        return None
+    from mpprefill.worker.emulated import EmulatedDevice
+
+    return EmulatedDevice.of(args.emulate_model, args.emulate_gpu)
+
+
+def build_runner(args: ServerArgs, device: str, kv_buffer: torch.Tensor | None = None):
+    """Model and KV pool on `device`; the KV pool may live in a given (shared) buffer."""
+    model = worker_model(args, device)
+    kv = KVCache.for_model(model.config, num_kv_slots(args), device, kv_buffer, swa_slots(args))
+    return ForwardRunner(model, kv, emulated_device(args))

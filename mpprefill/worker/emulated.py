@@ -1,0 +1,184 @@
+"""The emulated accelerator (`--device emulated`): real host work, a virtual device.
+
+Host side: the worker runs the model's own forward code on the CPU, with the emulated
+model's layer count at a tiny width, so each forward issues the Python and torch calls
+of the real code path, layer by layer and request by request. It computes only the last
+`KEEP_TOKENS` new tokens of each request (attending among themselves), because exact
+attention over long prefixes at 8k-token chunks would cost the CPU far more than the
+dispatch it stands for; the modules, the Python path and the number of torch calls stay
+those of the full batch.
+
+Device side: a clock (`roofline.DeviceClock`). Each layer's device time comes from a
+roofline of the emulated model's real dimensions at the batch's real token counts and
+prefix lengths on the named GPU (`roofline.layer_time_s`). Layer k starts when it is
+issued and layer k - 1 is done; the forward is complete when the clock passes the end of
+its last piece. Events recorded on the stream fire at that time, so collect, the KV write
+fence and the WAR barrier see the forward as they would see a GPU's.
+
+What still holds in this mode: the request lifecycle, chunk accounting, cache and pool
+invariants, and equal first tokens across modes (a request's first token depends only on
+its own last tokens). What does not: the logits and the KV pages are not the model's
+(pages of tokens it skips are never written), so `--verify` on the decode side fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ipc.events import GenEvent
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model import ForwardBatch, LlamaForCausalLM, ModelConfig
+from mpprefill.worker.device import HostStream
+from mpprefill.worker.roofline import (
+    GPUS,
+    DeviceClock,
+    ModelShape,
+    head_time_s,
+    layer_time_s,
+    resolve_shape,
+)
+
+KEEP_TOKENS = 8  # new tokens per request the host computes
+HOST_WIDTH = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+
+
+def host_config(base: ModelConfig, emulate_model: str) -> ModelConfig:
+    """The tiny-width stand-in: `base`'s vocabulary and positions, the emulated model's
+    layer count."""
+    if base.has_sliding_layers:
+        raise ValueError("--device emulated does not model sliding-window layers")
+    shape = resolve_shape(emulate_model)
+    return dataclasses.replace(base, num_hidden_layers=shape.num_layers, **HOST_WIDTH)
+
+
+def host_model(config: ModelConfig, seed: int) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(config, device="cpu")
+    model.init_random_weights(seed)
+    return model
+
+
+def shrink(fb: ForwardBatch, keep: int = KEEP_TOKENS) -> ForwardBatch:
+    """The last `keep` new tokens of each request, attending among themselves only.
+
+    | request  | new tokens (rows)   | kept rows            | its keys           |
+    |----------|---------------------|----------------------|--------------------|
+    | i        | [r_i, r_i + e_i)    | [r_i + e_i - k_i, ..) | the kept rows' slots |
+
+    with k_i = min(e_i, keep).
+    """
+    extend = fb.extend_lens
+    kept = torch.clamp(extend, max=keep)
+    ends = torch.cumsum(extend, 0)
+    rows = torch.cat([torch.arange(e - k, e) for e, k in zip(ends.tolist(), kept.tolist())])
+    out = fb.out_cache_loc[rows]
+    return ForwardBatch(
+        input_ids=fb.input_ids[rows],
+        positions=fb.positions[rows],
+        out_cache_loc=out,
+        prefix_lens=torch.zeros_like(fb.prefix_lens),
+        extend_lens=kept,
+        kv_indices=out,
+    )
+
+
+class EmulatedDevice:
+    """Charges each forward's roofline time on a device clock."""
+
+    def __init__(self, shape: ModelShape, gpu: str, clock: DeviceClock | None = None):
+        self.shape = shape
+        self.gpu = GPUS[gpu]
+        self.clock = clock or DeviceClock()
+        self._span = (0, 0)
+        self.device_s = 0.0  # device seconds charged so far
+
+    @classmethod
+    def of(cls, emulate_model: str, gpu: str) -> EmulatedDevice:
+        return cls(resolve_shape(emulate_model), gpu)
+
+    def forward(self, model: LlamaForCausalLM, fb: ForwardBatch, kv: KVCache, seq: int):
+        extend = fb.extend_lens.tolist()
+        prefix = fb.prefix_lens.tolist()
+        layer_s = layer_time_s(self.shape, self.gpu, extend, prefix)
+        head_s = head_time_s(self.shape, self.gpu, len(extend))
+        first: list[float] = []
+
+        def on_layer(i: int) -> None:
+            end = self.clock.issue(layer_s, seq)
+            if not first:
+                first.append(end - layer_s)
+
+        logits = model(shrink(fb), kv, on_layer)
+        end = self.clock.issue(head_s, seq)
+        start = first[0] if first else end - head_s
+        self._span = (int(start * 1e9), int(end * 1e9))
+        self.device_s += layer_s * len(model.layers) + head_s
+        return logits
+
+    def last_span(self) -> tuple[int, int]:
+        """(start, end) of the last forward on the device, in clock_ns."""
+        return self._span
+
+
+class EmulatedStream(HostStream):
+    """The forward process's stream on the emulated accelerator: work is issued at once
+    on the calling thread (the clock times it); an event recorded on the stream fires
+    when the clock passes the work issued before it, on a thread of its own."""
+
+    runs_elsewhere = True
+
+    def __init__(self, clock: DeviceClock):
+        self.clock = clock
+        self.error: BaseException | None = None
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._n = 0
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="emulated-device", daemon=True)
+        self._thread.start()
+
+    def record(self, event: GenEvent, gen: int) -> None:
+        at = self.clock.busy_until
+        with self._cv:
+            if at <= time.monotonic() and not self._due:  # NOTE: never ahead of older records
+                event.record(gen)
+                return
+            self._n += 1
+            heapq.heappush(self._due, (at, self._n, lambda: event.record(gen)))
+            self._cv.notify()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def drain(self) -> None:
+        self.clock.wait_until(self.clock.busy_until)
+        with self._cv:
+            while self._due:
+                self._cv.wait(0.01)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._due:
+                    self._cv.wait()
+                at = self._due[0][0]
+            self.clock.wait_until(at)
+            with self._cv:
+                _, _, fire = heapq.heappop(self._due)
+                self._cv.notify_all()
+            try:
+                fire()
+            except BaseException as e:  # raised on the issuing thread by check()
+                self.error = e
+                return

@@ -1,0 +1,249 @@
+"""The forward process: owns the device, the model and the KV pool; serves one message at
+a time.
+
+Per Submit, in stream order: wait "staged", read the slot, forward, record "reads done"
+(after the copy-in when the slot was copied, else after the forward), "forward done",
+write result slot seq % 2, record "result ready". Then flush (publish what a host-only
+scheduler waits on) and reply. On a GPU (and on the emulated accelerator) the reply leaves
+before the device finished; the scheduler reads results and KV only after their events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+from functools import partial
+
+import torch
+
+import ipc
+from mpprefill.config import ServerArgs
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model import ForwardBatch, ModelConfig
+from mpprefill.sampling import SamplingBatchInfo
+from mpprefill.trace.gc import GcWatch, freeze_heap
+from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
+from mpprefill.worker.api import ForwardInput
+from mpprefill.worker.build import build_runner, num_kv_slots, swa_slots, worker_model_config
+from mpprefill.worker.device import DevicePlan, HostStream
+from mpprefill.worker.events import WorkerOrder, forward_gen, make_events, sample_gen
+from mpprefill.worker.hooks import DeviceHooks, LateReads
+from mpprefill.worker.messages import Done, Exit, Failed, Ready, Sample, Submit
+from mpprefill.worker.runner import ForwardRunner, set_torch_threads
+from mpprefill.worker.staging import pin_segments, read_slot
+
+logger = logging.getLogger("mpprefill.worker")
+NUM_RESULT_SLOTS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSetup:
+    """What the scheduler hands the forward process at spawn (pickled once, by spawn).
+
+    NOTE: handles travel as plain dicts: frozen slots dataclasses do not unpickle on 3.10.
+    """
+
+    args: dict
+    plan: DevicePlan
+    prefix: str
+    events: dict  # handle of the int64 generation table
+    cuda_events: dict[str, str] | None  # CUDA IPC event handles by name (cuda-ipc only)
+    slots: list[dict[str, dict]]  # handles of both staging slots' fields
+    max_reqs: int
+    hooks: DeviceHooks
+
+    @classmethod
+    def of(cls, args: dict, plan, prefix, events, cuda_events, slots, max_reqs, hooks):
+        slot_dicts = [{k: h.to_dict() for k, h in s.items()} for s in slots]
+        return cls(args, plan, prefix, events.to_dict(), cuda_events, slot_dicts, max_reqs, hooks)
+
+    def slot_handles(self) -> list[dict[str, ipc.TensorHandle]]:
+        return [{k: ipc.TensorHandle.from_dict(d) for k, d in s.items()} for s in self.slots]
+
+
+def result_specs(max_reqs: int, vocab_size: int) -> ipc.bundle.Specs:
+    """Both result slots: row seq % 2 holds forward seq's tokens and logits."""
+    return {
+        "tokens": ((NUM_RESULT_SLOTS, max_reqs), torch.int64),
+        "logits": ((NUM_RESULT_SLOTS, max_reqs, vocab_size), torch.float32),
+    }
+
+
+@dataclasses.dataclass
+class WorkerLoop:
+    ch: ipc.Channel
+    runner: ForwardRunner
+    slots: list[dict[str, torch.Tensor]]  # both staging slots, opened once
+    result: dict[str, torch.Tensor]  # both result slots (host shared memory)
+    order: WorkerOrder
+    stream: HostStream
+    late_reads: LateReads | None = None
+    last: tuple | None = None  # (logits, sampling) of the last forward, for deferred sampling
+
+    def serve(self) -> None:
+        while True:
+            msg = self._next()
+            if isinstance(msg, Exit):
+                self.stream.drain()
+                return
+            t0 = time.perf_counter()
+            if isinstance(msg, Submit):
+                if self.late_reads is not None:
+                    self.late_reads.before_reuse(msg.slot)
+                span = self.stream.run(partial(self._forward, msg))
+                sampled = not msg.delay_sample
+            elif isinstance(msg, Sample):
+                span = self.stream.run(partial(self._sample, msg))
+                sampled = True
+            else:
+                raise RuntimeError(f"unexpected message {type(msg).__name__}")
+            self.order.flush()
+            self.stream.check()
+            start_ns, end_ns = span or (0, 0)
+            self.ch.put(Done(msg.seq, time.perf_counter() - t0, sampled, start_ns, end_ns))
+
+    def _next(self):
+        if not self.stream.runs_elsewhere:
+            return self.ch.get()
+        while True:  # the device may fail while the scheduler waits on its events
+            self.stream.check()
+            try:
+                return self.ch.get(timeout=0.05)
+            except ipc.MailboxTimeout:
+                continue
+
+    def _forward(self, msg: Submit) -> tuple[int, int]:
+        o = self.order
+        slot = msg.slot
+        seq = msg.seq
+        o.before_read(slot, seq)
+        fb, sampling, copied = read_slot(
+            self.slots[slot], msg.num_tokens, msg.num_reqs, msg.num_kv, self.runner.kv.device
+        )
+        if copied:
+            o.reads_done(slot, seq)
+        inp = ForwardInput(seq, fb, sampling, msg.delay_sample, msg.want_logits)
+        out = self.runner.forward(inp)
+        self.last = (out.logits.clone(), _own_copy(sampling)) if msg.delay_sample else None
+        if not copied:
+            self._release(slot, seq, fb)
+        o.forward_done(seq)
+        want_logits = msg.want_logits or msg.delay_sample
+        self._write_result(seq, out.next_token_ids, out.logits if want_logits else None)
+        o.result_ready(forward_gen(seq))
+        return out.start_ns, out.end_ns
+
+    def _sample(self, msg: Sample) -> None:
+        if self.last is None:
+            raise RuntimeError(f"Sample {msg.seq} without a deferred forward")
+        tokens = self.runner.sample(*self.last)
+        self._write_result(msg.seq, tokens, None)
+        self.order.result_ready(sample_gen(msg.seq))
+
+    def _release(self, slot: int, seq: int, fb: ForwardBatch) -> None:
+        record = partial(self.order.reads_done, slot, seq)
+        if self.late_reads is None:
+            record()
+        else:
+            self.late_reads.release(slot, seq, fb, record)
+
+    def _write_result(self, seq: int, tokens: torch.Tensor | None, logits: torch.Tensor | None):
+        row = seq % NUM_RESULT_SLOTS
+        if tokens is not None:
+            self.result["tokens"][row, : len(tokens)].copy_(tokens, non_blocking=True)
+        if logits is not None:
+            self.result["logits"][row, : len(logits)].copy_(logits, non_blocking=True)
+
+
+def _own_copy(sampling: SamplingBatchInfo) -> SamplingBatchInfo:
+    """Sampling rows that outlive the slot they were read from."""
+    return dataclasses.replace(sampling, **{k: v.clone() for k, v in sampling.to_tensors().items()})
+
+
+def worker_main(setup: WorkerSetup, endpoint: str, parent: int) -> None:
+    logging.basicConfig(
+        level=setup.args.get("log_level", "info").upper(),
+        format="%(asctime)s %(levelname)s worker: %(message)s",
+    )
+    # NOTE: Ctrl-C reaches the whole process group; the scheduler owns shutdown and stops
+    # this process itself, so SIGINT is ignored here. SIGTERM still cleans up and exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ipc.install_signal_cleanup((signal.SIGTERM,))
+    args = ServerArgs(**setup.args)
+    set_torch_threads(args.worker_threads)
+    if args.trace_dir:
+        set_tracer(Tracer("worker", enabled=True))
+    ch = ipc.Channel(endpoint, bind=False, peer_pid=parent)
+    watch = GcWatch().install()  # its pauses show as spans in a trace
+    code = 0
+    try:
+        loop, ready, _owned = _setup(args, setup, parent)
+        if not args.disable_gc_freeze:
+            freeze_heap()
+        ch.put(ready, timeout=60)
+        loop.ch = ch
+        loop.serve()
+    except ipc.PeerDied:
+        logger.warning("scheduler went away; forward process exits")
+        code = 1
+    except BaseException as e:  # reported to the scheduler, then exit non-zero
+        logger.exception("forward process failed")
+        _report(ch, f"{type(e).__name__}: {e}")
+        code = 1
+    finally:
+        watch.uninstall()
+        if args.trace_dir:
+            os.makedirs(args.trace_dir, exist_ok=True)
+            get_tracer().dump(args.trace_dir)
+        ipc.unlink_owned()
+        ch.close(linger_s=1.0)
+    sys.exit(code)
+
+
+def _setup(args: ServerArgs, setup: WorkerSetup, parent: int):
+    """The loop, the Ready message, and the shared buffers this process owns."""
+    plan = setup.plan
+    runner, kv_shared = _runner(args, plan, setup.prefix)
+    cfg: ModelConfig = runner.model.config
+    result = ipc.SharedBundle(result_specs(setup.max_reqs, cfg.vocab_size), setup.prefix)
+    views = ipc.open_bundle(result.handles)  # NOTE: the mapping that gets page-locked
+    slot_handles = setup.slot_handles()
+    slots = [ipc.open_bundle(h) for h in slot_handles]
+    pinned = []
+    if plan.pin_host_buffers:
+        shared = [*result.handles.values(), *(h for s in slot_handles for h in s.values())]
+        pinned = pin_segments(shared)
+    table = ipc.open_handle(ipc.TensorHandle.from_dict(setup.events))
+    events, _ = make_events(plan, "worker", table, setup.cuda_events)
+    stream = _stream(runner, plan, setup.hooks)
+    order = WorkerOrder(events, alive=lambda: ipc.pid_alive(parent), record=stream.record)
+    loop = WorkerLoop(None, runner, slots, views, order, stream, setup.hooks.late_reads(plan))
+    ready = Ready(os.getpid(), kv_shared.handle, result.handles, dataclasses.asdict(cfg))
+    return loop, ready, (kv_shared, result, pinned)
+
+
+def _runner(args: ServerArgs, plan: DevicePlan, prefix: str):
+    """The runner, its KV pool in a shared segment this process owns."""
+    cfg = worker_model_config(args)
+    num_slots = num_kv_slots(args)
+    shape = KVCache.model_storage_shape(cfg, num_slots, swa_slots(args))
+    kv_shared = ipc.SharedTensor.create(shape, cfg.torch_dtype, prefix, plan.device)
+    return build_runner(args, plan.device, kv_shared.tensor), kv_shared
+
+
+def _stream(runner: ForwardRunner, plan: DevicePlan, hooks: DeviceHooks) -> HostStream:
+    if runner.device is not None:  # the emulated accelerator keeps its own clock
+        from mpprefill.worker.emulated import EmulatedStream
+
+        return EmulatedStream(runner.device.clock)
+    return hooks.stream(plan)
+
+
+def _report(ch: ipc.Channel, error: str) -> None:
+    with contextlib.suppress(ipc.MailboxError):
+        ch.put(Failed(error), timeout=1.0)

@@ -1,0 +1,346 @@
+"""Device times for an emulated accelerator: a roofline of a real model on a named GPU.
+
+The host runs the model at tiny width; the device is a `DeviceClock` whose pieces of
+work last what this roofline says the real model would take. Per decoder layer of one
+ragged prefill batch (T = Σ e tokens, b = dtype bytes, P = linear params per layer):
+
+| part      | FLOPs                          | bytes                                   |
+|-----------|--------------------------------|-----------------------------------------|
+| linear    | 2·T·P                          | P·b + T·b·(10·hidden + 6·intermediate)  |
+| attention | Σ 4·H·d·e·(p + (e + 1)/2)      | Σ (p + 2e)·kv_row + 2·T·H·d·b           |
+| head      | 2·R·hidden·vocab               | vocab·hidden·b + R·vocab·4              |
+
+A request extends e tokens after a cached prefix of p; its j-th new token attends the
+p + j + 1 positions up to itself, which sums to e·(p + (e + 1)/2) query-key pairs, each
+2·d FLOPs for QKᵀ and 2·d for PV per head. The attention reads the whole KV (p + e rows
+of kv_row = 2·kv_heads·d·b bytes) and writes e rows. Each part takes
+max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth); a layer never finishes faster
+than its kernels' launch floor. The head computes logits for R requests' last tokens only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Large prefill GEMMs reach 60–80% of dense peak.
+GEMM_EFFICIENCY = 0.7
+# Flash attention kernels run further from peak than GEMMs (softmax, masking, tiling).
+ATTENTION_EFFICIENCY = 0.5
+# Streaming kernels reach about 80% of the HBM spec bandwidth.
+MEMORY_EFFICIENCY = 0.8
+# Launch, ramp-up and tail of one kernel: a small kernel cannot finish faster.
+KERNEL_FLOOR_S = 3e-6
+# Llama layer: 2 norms, qkv, rope, attention, o_proj, gate_up, act, down, residual add.
+KERNELS_PER_LAYER = 10
+# Final norm, gather of the last positions, LM head GEMM.
+KERNELS_PER_HEAD = 3
+# Fused norm/add kernels read and write the residual stream about ten times per layer.
+HIDDEN_PASSES = 10
+# gate_up writes 2·I, act reads 2·I and writes I, down reads I.
+INTERMEDIATE_PASSES = 6
+LOGIT_BYTES = 4  # logits are float32 for sampling
+CONFIG_NAME = "config.json"
+
+
+# NOTE: no slots: a frozen slotted dataclass does not unpickle on Python 3.10 (spawn).
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    flops: float  # dense BF16 tensor FLOP/s
+    bandwidth: float  # HBM bytes/s
+    gemm_efficiency: float = GEMM_EFFICIENCY
+    attention_efficiency: float = ATTENTION_EFFICIENCY
+    memory_efficiency: float = MEMORY_EFFICIENCY
+    kernel_floor_s: float = KERNEL_FLOOR_S
+
+    def __post_init__(self):
+        if self.flops <= 0 or self.bandwidth <= 0 or self.kernel_floor_s < 0:
+            raise ValueError(f"{self.name}: FLOP/s, bandwidth must be positive; floor not negative")
+        effs = (self.gemm_efficiency, self.attention_efficiency, self.memory_efficiency)
+        if not all(0 < e <= 1 for e in effs):
+            raise ValueError(f"{self.name}: efficiencies must lie in (0, 1]")
+
+    @property
+    def gemm_flops(self) -> float:
+        return self.flops * self.gemm_efficiency
+
+    @property
+    def attention_flops(self) -> float:
+        return self.flops * self.attention_efficiency
+
+    @property
+    def memory_bandwidth(self) -> float:
+        return self.bandwidth * self.memory_efficiency
+
+
+GPUS = {
+    "h100": GpuSpec("h100", flops=989e12, bandwidth=3.35e12),
+    "h200": GpuSpec("h200", flops=989e12, bandwidth=4.8e12),
+    "b200": GpuSpec("b200", flops=2250e12, bandwidth=8e12),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int = 2
+    name: str = ""
+
+    def __post_init__(self):
+        for key in _SHAPE_INTS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{self.name or 'model'}: {key} must be a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name or 'model'}: heads not a multiple of kv heads")
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def params_per_layer(self) -> int:
+        """Linear weights of one layer: q, k, v, o with GQA widths and gate, up, down."""
+        attn = self.hidden * (2 * self.q_width + 2 * self.kv_width)
+        return attn + 3 * self.hidden * self.intermediate
+
+    @property
+    def layer_weight_bytes(self) -> int:
+        return self.params_per_layer * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.kv_width * self.dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, config: str | os.PathLike | Mapping[str, Any]) -> ModelShape:
+        """A shape from a Hugging Face config.json: a path to it, its directory, or its dict."""
+        if isinstance(config, Mapping):
+            return _shape_from_dict(config, name=str(config.get("_name_or_path", "")))
+        path = _config_path(Path(config))
+        return _shape_from_dict(_load_json(path), name=path.parent.name)
+
+
+_SHAPE_INTS = (
+    "num_layers",
+    "hidden",
+    "intermediate",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab",
+    "dtype_bytes",
+)
+
+
+def _config_path(path: Path) -> Path:
+    if path.is_dir():
+        path = path / CONFIG_NAME
+    if not path.is_file():
+        raise ValueError(f"no model config at {path}")
+    return path
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return config
+
+
+def _shape_from_dict(config: Mapping[str, Any], name: str) -> ModelShape:
+    # Multimodal configs keep the language model's dimensions under text_config.
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), Mapping):
+        config = config["text_config"]
+    hidden = _int_field(config, "hidden_size")
+    heads = _int_field(config, "num_attention_heads")
+    if "head_dim" not in config and hidden % heads:
+        raise ValueError(f"hidden_size {hidden} is not a multiple of {heads} heads")
+    return ModelShape(
+        num_layers=_int_field(config, "num_hidden_layers"),
+        hidden=hidden,
+        intermediate=_int_field(config, "intermediate_size"),
+        num_heads=heads,
+        num_kv_heads=_int_field(config, "num_key_value_heads", default=heads),
+        head_dim=_int_field(config, "head_dim", default=hidden // heads),
+        vocab=_int_field(config, "vocab_size"),
+        name=name,
+    )
+
+
+def _int_field(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = config.get(key, default)
+    if value is None:
+        raise ValueError(f"model config lacks {key}")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"model config field {key} must be a positive int, got {value!r}")
+    return value
+
+
+PRESETS = {
+    "Qwen2.5-0.5B": ModelShape(24, 896, 4864, 14, 2, 64, 151936, name="Qwen2.5-0.5B"),
+    "Llama-3.1-8B": ModelShape(32, 4096, 14336, 32, 8, 128, 128256, name="Llama-3.1-8B"),
+    "Qwen2.5-14B": ModelShape(48, 5120, 13824, 40, 8, 128, 152064, name="Qwen2.5-14B"),
+}
+
+
+def resolve_shape(spec: str) -> ModelShape:
+    """A preset name (any case), or a path to a config.json or to a directory holding one."""
+    by_lower = {name.lower(): shape for name, shape in PRESETS.items()}
+    if spec.lower() in by_lower:
+        return by_lower[spec.lower()]
+    if Path(spec).exists():
+        return ModelShape.from_hf_config(spec)
+    raise ValueError(f"unknown model {spec!r}: not a path; presets are {', '.join(PRESETS)}")
+
+
+def layer_time_s(
+    shape: ModelShape, gpu: GpuSpec, extend_lens: Sequence[int], prefix_lens: Sequence[int]
+) -> float:
+    """Seconds of one decoder layer over a ragged prefill batch (see the module table)."""
+    _check_batch(extend_lens, prefix_lens)
+    busy = _linear_time_s(shape, gpu, sum(extend_lens))
+    busy += _attention_time_s(shape, gpu, extend_lens, prefix_lens)
+    return max(busy, KERNELS_PER_LAYER * gpu.kernel_floor_s)
+
+
+def head_time_s(shape: ModelShape, gpu: GpuSpec, num_reqs: int) -> float:
+    """Seconds of the final norm and LM head on each request's last position."""
+    if num_reqs <= 0:
+        raise ValueError(f"num_reqs must be positive, got {num_reqs}")
+    flops = 2 * num_reqs * shape.hidden * shape.vocab
+    weights = shape.vocab * shape.hidden * shape.dtype_bytes
+    nbytes = weights + num_reqs * shape.vocab * LOGIT_BYTES
+    busy = _part_time_s(flops, gpu.gemm_flops, nbytes, gpu.memory_bandwidth)
+    return max(busy, KERNELS_PER_HEAD * gpu.kernel_floor_s)
+
+
+def forward_time_s(
+    shape: ModelShape, gpu: GpuSpec, extend_lens: Sequence[int], prefix_lens: Sequence[int]
+) -> float:
+    """Seconds of a whole prefill forward: every layer, then the head."""
+    layer = layer_time_s(shape, gpu, extend_lens, prefix_lens)
+    return shape.num_layers * layer + head_time_s(shape, gpu, len(extend_lens))
+
+
+def _check_batch(extend_lens: Sequence[int], prefix_lens: Sequence[int]) -> None:
+    if len(extend_lens) != len(prefix_lens):
+        raise ValueError(f"{len(extend_lens)} extend lengths but {len(prefix_lens)} prefixes")
+    if not extend_lens:
+        raise ValueError("empty batch")
+    if min(extend_lens) <= 0 or min(prefix_lens) < 0:
+        raise ValueError("extend lengths must be positive and prefix lengths non-negative")
+
+
+def _linear_time_s(shape: ModelShape, gpu: GpuSpec, tokens: int) -> float:
+    flops = 2 * tokens * shape.params_per_layer
+    row = HIDDEN_PASSES * shape.hidden + INTERMEDIATE_PASSES * shape.intermediate
+    nbytes = shape.layer_weight_bytes + tokens * row * shape.dtype_bytes
+    return _part_time_s(flops, gpu.gemm_flops, nbytes, gpu.memory_bandwidth)
+
+
+def _attention_time_s(
+    shape: ModelShape, gpu: GpuSpec, extend_lens: Sequence[int], prefix_lens: Sequence[int]
+) -> float:
+    pairs = sum(e * (p + (e + 1) / 2) for e, p in zip(extend_lens, prefix_lens))
+    flops = 4 * shape.q_width * pairs
+    kv_rows = sum(p + 2 * e for e, p in zip(extend_lens, prefix_lens))
+    q_and_out = 2 * sum(extend_lens) * shape.q_width * shape.dtype_bytes
+    nbytes = kv_rows * shape.kv_bytes_per_token + q_and_out
+    return _part_time_s(flops, gpu.attention_flops, nbytes, gpu.memory_bandwidth)
+
+
+def _part_time_s(flops: float, flop_rate: float, nbytes: float, bandwidth: float) -> float:
+    return max(flops / flop_rate, nbytes / bandwidth)
+
+
+class DeviceClock:
+    """A virtual device queue: issued work runs back to back on `now`'s clock.
+
+    Each piece starts at max(now, end of the previous piece). The last `max_spans`
+    pieces are kept, tagged by an integer label, for `busy_between` and `spans`.
+    """
+
+    def __init__(
+        self,
+        now: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        max_spans: int = 100_000,
+    ):
+        self._now = now
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._busy_until = -math.inf
+        self._busy_s = 0.0
+        # NOTE: pieces never overlap and are appended in start order, so ends are sorted.
+        self._pieces: deque[tuple[int, float, float]] = deque(maxlen=max_spans)
+
+    def issue(self, duration_s: float, label: int = 0) -> float:
+        """Queue `duration_s` of work; returns the time it finishes."""
+        if duration_s < 0:
+            raise ValueError(f"negative duration {duration_s}")
+        with self._lock:
+            start = max(self._now(), self._busy_until)
+            self._busy_until = start + duration_s
+            self._busy_s += duration_s
+            self._pieces.append((label, start, self._busy_until))
+            return self._busy_until
+
+    @property
+    def busy_until(self) -> float:
+        """End of the last issued piece (-inf before any)."""
+        with self._lock:
+            return self._busy_until
+
+    @property
+    def busy_s(self) -> float:
+        """Device seconds issued since construction."""
+        with self._lock:
+            return self._busy_s
+
+    def wait_until(self, t: float) -> None:
+        """Sleep until `now` reaches `t`."""
+        while (left := t - self._now()) > 0:
+            self._sleep(left)
+
+    def busy_between(self, t0: float, t1: float) -> float:
+        """Busy seconds inside [t0, t1], over the pieces still kept."""
+        busy = 0.0
+        with self._lock:
+            for _, start, end in reversed(self._pieces):
+                if end <= t0:
+                    break
+                busy += max(0.0, min(end, t1) - max(start, t0))
+        return busy
+
+    def spans(self) -> list[tuple[int, float, float]]:
+        """(label, first start, last end) per label, in order of first start."""
+        merged: dict[int, tuple[float, float]] = {}
+        with self._lock:
+            for label, start, end in self._pieces:
+                first = merged.get(label, (start, end))[0]
+                merged[label] = (first, end)
+        return [(label, start, end) for label, (start, end) in merged.items()]

@@ -1,0 +1,118 @@
+"""The emulated accelerator: the shrunken host batch, the device clock's timing, events
+that fire at device time, and every mode through it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ipc.events import ShmEvent
+from mpprefill.config import FORWARD_MODES, ServerArgs
+from mpprefill.engine import PrefillEngine
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model import ForwardBatch, ModelConfig
+from mpprefill.worker.emulated import (
+    EmulatedDevice,
+    EmulatedStream,
+    host_config,
+    host_model,
+    shrink,
+)
+from mpprefill.worker.roofline import DeviceClock, forward_time_s, resolve_shape
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _batch(extend: list[int], prefix: list[int]) -> ForwardBatch:
+    ids = [[(7 * i + j) % 90 + 1 for j in range(e)] for i, e in enumerate(extend)]
+    slots, base = [], 0
+    for p, e in zip(prefix, extend):
+        slots.append(list(range(base, base + p + e)))
+        base += p + e
+    return ForwardBatch.build(ids, prefix, slots)
+
+
+def test_shrink_keeps_the_last_tokens_of_each_request():
+    fb = _batch([20, 3, 9], [16, 0, 32])
+    small = shrink(fb, keep=8)
+    assert small.extend_lens.tolist() == [8, 3, 8]
+    assert small.prefix_lens.tolist() == [0, 0, 0]
+    rows = list(range(12, 20)) + list(range(20, 23)) + list(range(24, 32))
+    assert small.input_ids.tolist() == fb.input_ids[rows].tolist()
+    assert small.positions.tolist() == fb.positions[rows].tolist()
+    assert torch.equal(small.kv_indices, fb.out_cache_loc[rows])
+    small.validate()  # shapes agree; positions stay the real ones (not prefix + i)
+
+
+def test_host_model_has_the_emulated_layer_count():
+    cfg = host_config(ModelConfig.tiny(), "Llama-3.1-8B")
+    assert cfg.num_hidden_layers == 32 and cfg.hidden_size == 64
+    assert cfg.vocab_size == ModelConfig.tiny().vocab_size
+    sliding = ModelConfig(sliding_window=8, layer_types=("sliding_attention",) * 4)
+    with pytest.raises(ValueError, match="sliding-window"):
+        host_config(sliding, "Llama-3.1-8B")
+    with pytest.raises(ValueError):
+        host_config(ModelConfig.tiny(), "no-such-model")
+
+
+def test_device_time_follows_the_roofline_and_queues_behind_earlier_work():
+    shape = resolve_shape("Qwen2.5-0.5B")
+    dev = EmulatedDevice(shape, "h200")
+    model = host_model(host_config(ModelConfig.tiny(), "Qwen2.5-0.5B"), seed=0)
+    kv = KVCache.for_model(model.config, 4096)
+    fb = _batch([300, 200], [512, 0])
+    want = forward_time_s(shape, dev.gpu, [300, 200], [512, 0])
+    dev.forward(model, fb, kv, seq=1)
+    start1, end1 = dev.last_span()
+    # The host issues each layer at least as late as the clock wants; never earlier.
+    assert (end1 - start1) / 1e9 >= want * (1 - 1e-9)
+    dev.forward(model, fb, kv, seq=2)
+    start2, end2 = dev.last_span()
+    assert start2 >= end1 - 1000  # the second forward waits for the first on the device
+    assert dev.device_s == pytest.approx(2 * want)
+
+
+def test_events_recorded_on_the_stream_fire_at_device_time():
+    clock = DeviceClock()
+    stream = EmulatedStream(clock)
+    event = ShmEvent(torch.zeros(1, dtype=torch.int64), "e")
+    finish = clock.issue(0.15, 1)
+    stream.record(event, 1)
+    assert not event.query(1)
+    event.wait(1, timeout=5)
+    assert time.monotonic() >= finish - 1e-3
+    stream.record(event, 2)  # nothing issued since: fires at once
+    assert event.query(2)
+    stream.drain()
+
+
+@pytest.fixture(scope="module")
+def emulated_reference():
+    prompts = [[(11 * i + j) % 90 + 1 for j in range(40 + 13 * i)] for i in range(10)]
+    prompts += [p[:30] + [5, 6, 7] for p in prompts[:4]]  # some prefix hits
+    kw = dict(device="emulated", emulate_model="Qwen2.5-0.5B", chunked_prefill_size=64)
+    with PrefillEngine(forward_mode="normal", **kw) as eng:
+        ref = eng.prefill(prompts)
+    return prompts, kw, ref
+
+
+@pytest.mark.parametrize("mode", FORWARD_MODES)
+def test_every_mode_runs_on_the_emulated_device(mode, emulated_reference):
+    prompts, kw, ref = emulated_reference
+    with PrefillEngine(forward_mode=mode, check_invariants=True, **kw) as eng:
+        outs = eng.prefill(prompts, timeout=120)
+        eng.check_invariants(flush=True)
+        m = eng.scheduler.metrics
+    assert [o.first_token for o in outs] == [o.first_token for o in ref]
+    assert [o.cached_tokens for o in outs] == [o.cached_tokens for o in ref]
+    assert m.device_s > 0 and m.num_batches > 0
+
+
+def test_device_label_and_flags():
+    a = ServerArgs(device="emulated", emulate_model="Llama-3.1-8B", emulate_gpu="b200")
+    assert a.device_label == "emulated (b200, Llama-3.1-8B)"
+    assert a.torch_device == "cpu"
+    with pytest.raises(ValueError, match="emulate-gpu"):
+        ServerArgs(device="emulated", emulate_gpu="a100")
