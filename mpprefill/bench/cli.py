@@ -9,6 +9,7 @@ import os
 
 from mpprefill.cli import command
 from mpprefill.config import FORWARD_MODES, ServerArgs
+from mpprefill.flags import add_flags
 
 logger = logging.getLogger(__name__)
 _NOT_BENCH_FLAGS = (
@@ -50,7 +51,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the decode receiver recomputes and checks every request's KV",
     )
-    ServerArgs.add_cli_args(ap, skip=_NOT_BENCH_FLAGS)
+    add_flags(ap, ServerArgs, skip=_NOT_BENCH_FLAGS)
     ap.set_defaults(**BENCH_DEFAULTS)
 
 
@@ -62,7 +63,14 @@ def _bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--sweep",
         action="store_true",
-        help="also run other model sizes and batch shapes (t_sched/t_fwd sweep)",
+        help="run a grid of workloads: with --device emulated the regime map (model shapes x"
+        " per-batch token budgets), else other model sizes and batch shapes on the CPU",
+    )
+    ap.add_argument(
+        "--heatmap",
+        default=None,
+        help="with --sweep --device emulated: write the proc-ahead / thread-ahead heat map"
+        " (PNG) here",
     )
     ap.add_argument(
         "--repeats",
@@ -99,7 +107,7 @@ def bench(args: argparse.Namespace) -> int:
 def run_problems(result: dict) -> list[str]:
     """Runs that failed requests, leaked, broke an invariant or sent KV the decode side
     could not verify: the numbers of such a run mean nothing."""
-    runs = [r for res in result.get("sweep", [result]) for r in res["runs"]]
+    runs = [r for res in result.get("points", [result]) for r in res["runs"]]
     out = []
     for r in runs:
         what = [f"{r['num_failed']} failed requests"] if r["num_failed"] else []

@@ -60,12 +60,14 @@ class BenchConfig:
             "warning",
         ]
         flags += _optional(a, "model_path", "context_length", "sliding_window", "swa_layers")
+        if a.device == "emulated":
+            flags += ["--emulate-model", a.emulate_model, "--emulate-gpu", a.emulate_gpu]
         if a.delay_sampling:
             flags.append("--delay-sampling")
         if a.host_store_size:
             flags += ["--host-store-size", a.host_store_size]
-        if a.disable_batched_staging:
-            flags.append("--disable-batched-staging")
+        if a.disable_batched_writeback:
+            flags.append("--disable-batched-writeback")
         for name in ("swa_free_out_of_window", "disable_radix_cache"):
             if getattr(a, name):
                 flags.append("--" + name.replace("_", "-"))
@@ -116,6 +118,7 @@ def run_mode(cfg: BenchConfig, mode: str, work: Workload, record: str | None = N
         server = start_server(flags, cfg.log_dir)
         children.insert(0, server)
         run = _measure(cfg, mode, work, server, decode)
+        run["device"] = cfg.server.device_label
     finally:
         leaks = _shutdown(children)
     leaks["invariants_ok"] = bool(run["invariants"].get("ok", False))
@@ -159,6 +162,9 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
     c0, c1 = before["counters"], after["counters"]
     batches = c1["num_batches"] - c0["num_batches"]
     fwd_s = c1["forward_s"] - c0["forward_s"]
+    device_s = c1["device_s"] - c0["device_s"]
+    new_gaps = c1["handoff_n"] - c0["handoff_n"]
+    gaps = c1["handoff_gaps_ms"][-new_gaps:] if new_gaps > 0 else []
     sched_s = sum(c1["phase_s"].get(p, 0.0) - c0["phase_s"].get(p, 0.0) for p in SCHED_PHASES)
     ttft = [r.ttft_s * 1e3 for r in done]
     return {
@@ -181,6 +187,11 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
         "first_tokens_sha256": first_tokens_sha256(done),
         "t_sched_ms": sched_s / max(batches, 1) * 1e3,
         "t_fwd_ms": fwd_s / max(batches, 1) * 1e3,
+        "t_issue_ms": fwd_s / max(batches, 1) * 1e3,
+        "t_device_ms": device_s / max(batches, 1) * 1e3,
+        "device_busy_frac": device_s / duration,
+        "handoff_gap_ms": stats.percentile(gaps, 50) if gaps else 0.0,
+        "handoff_batches": len(gaps),
         "phase_ms_per_batch": {
             p: (c1["phase_s"].get(p, 0.0) - c0["phase_s"].get(p, 0.0)) / max(batches, 1) * 1e3
             for p in (*SCHED_PHASES, "host-retire")

@@ -13,6 +13,7 @@ from mpprefill.bench.replay import forward_bound, load_shapes
 from mpprefill.bench.runner import BenchConfig, run_mode
 from mpprefill.bench.workload import Workload, solve_for_hit_rate
 from mpprefill.config import FORWARD_MODES, ServerArgs
+from mpprefill.flags import from_namespace
 
 logger = logging.getLogger(__name__)
 THREAD_MODES = ("thread", "thread-ahead")
@@ -20,7 +21,8 @@ THREAD_MODES = ("thread", "thread-ahead")
 
 def server_args(args: argparse.Namespace, **overrides) -> ServerArgs:
     """The serve flags of a bench/profile command line (the mode comes per run)."""
-    return ServerArgs.from_cli(args, **{"forward_mode": None, "trace_dir": None, **overrides})
+    overrides = {"forward_mode": None, "trace_dir": None, **overrides}
+    return from_namespace(ServerArgs, args, **overrides)
 
 
 def parse_modes(text: str) -> list[str]:
@@ -111,23 +113,25 @@ def format_table(result: dict) -> str:
     best_thread = max(threads) if threads else None
     head = (
         f"{'mode':>12} {'uncached ITPS':>13} {'x thread':>8} {'x bound':>7} {'hit':>5} "
-        f"{'TTFT p50/p99 ms':>16} {'busy':>5} {'batches':>7} {'t_sched':>8} "
-        f"{'t_fwd':>8} {'ratio':>6} {'leaks':>5}"
+        f"{'TTFT p50/p99 ms':>16} {'batches':>7} {'t_sched':>8} {'t_issue':>8} "
+        f"{'t_device':>8} {'dev busy':>8} {'gap':>7} {'leaks':>5}"
     )
-    lines = [head, "-" * len(head)]
+    device = runs[0].get("device", "cpu") if runs else "cpu"
+    lines = [f"device: {device}", head, "-" * len(head)]
     for r in runs:
         xt = f"{r['uncached_itps'] / best_thread:8.2f}" if best_thread else f"{'-':>8}"
         lines.append(
             f"{r['mode']:>12} {r['uncached_itps']:13,.0f} {xt} "
             f"{r['uncached_itps'] / bound:7.2f} {r['cache_hit_rate']:5.2f} "
             f"{r['ttft_ms']['p50']:7.0f}/{r['ttft_ms']['p99']:<8.0f} "
-            f"{r['worker_busy_frac']:5.2f} {r['num_batches']:7d} {r['t_sched_ms']:7.2f}m "
-            f"{r['t_fwd_ms']:7.1f}m {r['t_sched_ms'] / max(r['t_fwd_ms'], 1e-9):6.3f} "
-            f"{'ok' if r['leaks']['ok'] else 'LEAK':>5}"
+            f"{r['num_batches']:7d} {r['t_sched_ms']:7.2f}m {r['t_issue_ms']:7.2f}m "
+            f"{r['t_device_ms']:7.2f}m {r['device_busy_frac']:8.2f} "
+            f"{r['handoff_gap_ms']:6.2f}m {'ok' if r['leaks']['ok'] else 'LEAK':>5}"
         )
     lines.append(
         f"forward bound ({result['forward_bound']['replayed_mode']} batches replayed "
-        f"back to back): {bound:,.0f} uncached tokens/s"
+        f"back to back): {bound:,.0f} uncached tokens/s; times are ms per batch, gap is the "
+        "median hand-off gap"
     )
     return "\n".join(lines)
 
@@ -174,15 +178,42 @@ SWEEP_POINTS = {
 }
 
 
+# The regime map on the emulated accelerator: model shapes x per-batch token budgets.
+EMULATED_MODELS = ("Qwen2.5-0.5B", "Llama-3.1-8B")
+EMULATED_CHUNKS = (512, 8192)
+BIG_CHUNK_REQUEST_SCALE = 4  # an 8k-token budget takes ~40 requests a batch
+
+
 def run_sweep(args: argparse.Namespace) -> dict:
     base = server_args(args)
-    model_dir = tempfile.mkdtemp(prefix="mpp-sweep-models-")
-    results = [
-        run_bench(*_sweep_point(args, base, label, point, model_dir), label=label)
-        for label, point in SWEEP_POINTS.items()
-    ]
+    if base.device == "emulated":
+        points = [
+            _emulated_point(args, base, m, c) for m in EMULATED_MODELS for c in EMULATED_CHUNKS
+        ]
+    else:
+        model_dir = tempfile.mkdtemp(prefix="mpp-sweep-models-")
+        points = [
+            (label, *_sweep_point(args, base, label, point, model_dir))
+            for label, point in SWEEP_POINTS.items()
+        ]
+    results = [run_bench(ns, server, label=label) for label, ns, server in points]
     print(format_sweep(results))
-    return {"sweep": results}
+    if getattr(args, "heatmap", None) and base.device == "emulated":
+        from mpprefill.bench.regime import plot_regime_map
+
+        plot_regime_map(results, args.heatmap)
+        print(f"regime map: {args.heatmap}", file=sys.stderr)
+    return {"points": results}
+
+
+def _emulated_point(args, base: ServerArgs, model: str, chunk: int):
+    ns = argparse.Namespace(**vars(args))
+    if chunk >= 4096:
+        ns.num_requests = args.num_requests * BIG_CHUNK_REQUEST_SCALE
+    server = dataclasses.replace(
+        base, emulate_model=model, chunked_prefill_size=chunk, max_prefill_tokens=chunk
+    )
+    return f"{model}@{chunk}", ns, server
 
 
 def _sweep_point(args, base: ServerArgs, label: str, point: SweepPoint, model_dir: str):
@@ -208,24 +239,23 @@ def _sweep_point(args, base: ServerArgs, label: str, point: SweepPoint, model_di
 def format_sweep(results: list[dict]) -> str:
     lines = [
         "",
-        "uncached ITPS of proc-ahead (pa) relative to other modes, per workload:",
-        f"{'workload':>12} {'t_sched/t_fwd':>13} {'pa/thread-ahead':>15} "
-        f"{'pa/proc':>8} {'pa/overlap':>10} {'pa/bound':>8}",
+        "per point and mode (ms per batch; busy: device busy fraction; gap: median hand-off gap):",
+        f"{'point':>20} {'mode':>12} {'uncached ITPS':>13} {'t_issue':>8} {'t_device':>8} "
+        f"{'t_sched':>8} {'busy':>5} {'gap':>6} {'pa/this':>7}",
     ]
     for res in results:
         by = {r["mode"]: r for r in res["runs"]}
         pa = by.get("proc-ahead")
-        if pa is None:
-            continue
-        ratio = pa["t_sched_ms"] / max(pa["t_fwd_ms"], 1e-9)
-        rel = {m: _rel(pa, by.get(m)) for m in ("thread-ahead", "proc", "overlap")}
-        lines.append(
-            f"{res['config']['label']:>12} {ratio:13.3f} {rel['thread-ahead']:>15} "
-            f"{rel['proc']:>8} {rel['overlap']:>10} "
-            f"{pa['uncached_itps'] / res['forward_bound_itps']:8.2f}"
-        )
+        for r in res["runs"]:
+            lines.append(
+                f"{res['config']['label']:>20} {r['mode']:>12} {r['uncached_itps']:13,.0f} "
+                f"{r['t_issue_ms']:8.2f} {r['t_device_ms']:8.2f} {r['t_sched_ms']:8.2f} "
+                f"{r['device_busy_frac']:5.2f} {r['handoff_gap_ms']:6.2f} {_rel(pa, r):>7}"
+            )
     return "\n".join(lines)
 
 
-def _rel(run: dict, other: dict | None) -> str:
-    return f"{run['uncached_itps'] / other['uncached_itps']:.2f}" if other else "-"
+def _rel(run: dict | None, other: dict | None) -> str:
+    if run is None or other is None:
+        return "-"
+    return f"{run['uncached_itps'] / other['uncached_itps']:.2f}"

@@ -1,0 +1,74 @@
+"""The regime map: where the process boundary pays, from an emulated-device sweep.
+
+Per point, each mode's bound per batch (ms): the device, the host's issue, and the
+scheduler's own work. With the forward in its own process they overlap:
+proc-ahead's bound is max(device, issue, t_sched). On a forward thread the issue and the
+scheduler share one GIL: thread-ahead's bound is max(device, issue + t_sched). A point is
+launch-bound where issue + t_sched >= 1.4 x max(device, issue, t_sched).
+"""
+
+from __future__ import annotations
+
+LAUNCH_BOUND_FACTOR = 1.4
+
+
+def bounds_ms(run: dict) -> dict[str, float]:
+    device = run["t_device_ms"]
+    issue = run["t_issue_ms"]
+    sched = run["t_sched_ms"]
+    return {"process": max(device, issue, sched), "thread": max(device, issue + sched)}
+
+
+def is_launch_bound(run: dict) -> bool:
+    b = bounds_ms(run)
+    return run["t_issue_ms"] + run["t_sched_ms"] >= LAUNCH_BOUND_FACTOR * b["process"]
+
+
+def ratio(results: dict, a: str, b: str) -> float | None:
+    by = {r["mode"]: r for r in results["runs"]}
+    if a not in by or b not in by:
+        return None
+    return by[a]["uncached_itps"] / by[b]["uncached_itps"]
+
+
+def grid(results: list[dict]) -> tuple[list[str], list[int], dict[tuple[str, int], dict]]:
+    """Models (rows), per-batch token budgets (columns), and the result at each cell."""
+    cells = {}
+    for res in results:
+        server = res["config"]["server"]
+        cells[(server["emulate_model"], server["chunked_prefill_size"])] = res
+    models = list(dict.fromkeys(m for m, _ in cells))
+    chunks = sorted({c for _, c in cells})
+    return models, chunks, cells
+
+
+def plot_regime_map(results: list[dict], path: str) -> None:
+    """A heat map of proc-ahead / thread-ahead uncached ITPS over the grid (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models, chunks, cells = grid(results)
+    values = [[_pa_over_ta(cells[(m, c)]) for c in chunks] for m in models]
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(chunks), 1.4 + 0.9 * len(models)))
+    image = ax.imshow(values, cmap="RdYlGn", vmin=0.75, vmax=1.75)
+    ax.set_xticks(range(len(chunks)), [f"{c} tokens" for c in chunks])
+    ax.set_yticks(range(len(models)), models)
+    for i, m in enumerate(models):
+        for j, c in enumerate(chunks):
+            res = cells[(m, c)]
+            pa = {r["mode"]: r for r in res["runs"]}.get("proc-ahead")
+            tag = " launch-bound" if pa is not None and is_launch_bound(pa) else ""
+            ax.text(j, i, f"{values[i][j]:.2f}x{tag}", ha="center", va="center", fontsize=9)
+    device = results[0]["runs"][0].get("device", "emulated") if results else "emulated"
+    gpu = device.split("(")[-1].split(",")[0] if "(" in device else device
+    ax.set_title(f"proc-ahead / thread-ahead uncached ITPS\n(emulated {gpu}, hit rate 0.8)")
+    fig.colorbar(image, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pa_over_ta(res: dict) -> float:
+    return ratio(res, "proc-ahead", "thread-ahead") or 0.0
