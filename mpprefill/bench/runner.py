@@ -92,6 +92,8 @@ class BenchConfig:
             "warning",
         ]
         flags += _optional(a, "model_path", "sliding_window", "swa_layers")
+        if a.device == "emulated":
+            flags += ["--emulate-model", a.emulate_model]
         if self.verify:
             flags.append("--verify")
         return [str(f) for f in flags]

@@ -181,7 +181,10 @@ SWEEP_POINTS = {
 # The regime map on the emulated accelerator: model shapes x per-batch token budgets.
 EMULATED_MODELS = ("Qwen2.5-0.5B", "Llama-3.1-8B")
 EMULATED_CHUNKS = (512, 8192)
-BIG_CHUNK_REQUEST_SCALE = 4  # an 8k-token budget takes ~40 requests a batch
+BIG_CHUNK_REQUEST_SCALE = 2  # an 8k-token budget takes ~40 requests a batch
+# The cache must hold every group's shared prompt and the suffixes in flight, or the hit
+# rate falls below the target at thousands of requests.
+EMULATED_POOL_TOKENS = 1 << 19
 
 
 def run_sweep(args: argparse.Namespace) -> dict:
@@ -211,7 +214,11 @@ def _emulated_point(args, base: ServerArgs, model: str, chunk: int):
     if chunk >= 4096:
         ns.num_requests = args.num_requests * BIG_CHUNK_REQUEST_SCALE
     server = dataclasses.replace(
-        base, emulate_model=model, chunked_prefill_size=chunk, max_prefill_tokens=chunk
+        base,
+        emulate_model=model,
+        chunked_prefill_size=chunk,
+        max_prefill_tokens=chunk,
+        max_total_tokens=max(base.max_total_tokens, EMULATED_POOL_TOKENS),
     )
     return f"{model}@{chunk}", ns, server
 

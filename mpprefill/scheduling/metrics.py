@@ -23,7 +23,7 @@ class SchedulerMetrics:
     phase_n: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     num_batches: int = 0
     forward_s: float = 0.0  # host time of the forward calls (issue)
-    device_s: float = 0.0  # device time of the forwards (end - start)
+    device_s: float = 0.0  # the device's busy time in the forwards
     handoff_n: int = 0
     handoff_gaps_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_GAPS))
     batch_tokens: int = 0
@@ -56,7 +56,7 @@ class SchedulerMetrics:
             self.batch_shapes.append((fb.prefix_lens.tolist(), fb.extend_lens.tolist()))
         self.num_batches += 1
         self.forward_s += result.forward_s
-        self.device_s += (result.end_ns - result.start_ns) / 1e9
+        self.device_s += result.device_s
         self.batch_tokens += fb.num_tokens
         built = self._built_ns.pop(result.seq, None)
         prev_seq, prev_end = self._last_end

@@ -45,6 +45,7 @@ class ForwardResult(NamedTuple):
     forward_s: float  # host time of the forward call (issue, plus the wait where it waited)
     start_ns: int = 0  # when the worker (or its device) began and finished it, on clock_ns
     end_ns: int = 0
+    device_s: float = 0.0  # the device's busy time in it
 
     def wait_ready(self) -> None:
         """Return once the forward's device work is done (at once unless the device runs

@@ -45,12 +45,14 @@ from mpprefill.worker.roofline import (
 )
 
 KEEP_TOKENS = 8  # new tokens per request the host computes
+# GQA like the real shapes, at a width whose KV pool stays small (1 KiB per token per
+# 16 layers) so that pools of a million tokens fit in shared memory.
 HOST_WIDTH = dict(
-    hidden_size=64,
-    intermediate_size=128,
+    hidden_size=32,
+    intermediate_size=64,
     num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+    num_key_value_heads=1,
+    head_dim=8,
 )
 
 
@@ -100,7 +102,7 @@ class EmulatedDevice:
         self.shape = shape
         self.gpu = GPUS[gpu]
         self.clock = clock or DeviceClock()
-        self._span = (0, 0)
+        self._last = (0, 0, 0.0)
         self.device_s = 0.0  # device seconds charged so far
 
     @classmethod
@@ -122,13 +124,15 @@ class EmulatedDevice:
         logits = model(shrink(fb), kv, on_layer)
         end = self.clock.issue(head_s, seq)
         start = first[0] if first else end - head_s
-        self._span = (int(start * 1e9), int(end * 1e9))
-        self.device_s += layer_s * len(model.layers) + head_s
+        busy = layer_s * len(model.layers) + head_s
+        self._last = (int(start * 1e9), int(end * 1e9), busy)
+        self.device_s += busy
         return logits
 
-    def last_span(self) -> tuple[int, int]:
-        """(start, end) of the last forward on the device, in clock_ns."""
-        return self._span
+    def last_forward(self) -> tuple[int, int, float]:
+        """The last forward on the device: its start and end (clock_ns) and its busy
+        seconds (less than end - start where the host issued layers slower than they ran)."""
+        return self._last
 
 
 class EmulatedStream(HostStream):

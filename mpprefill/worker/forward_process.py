@@ -6,6 +6,11 @@ Per Submit, in stream order: wait "staged", read the slot, forward, record "read
 write result slot seq % 2, record "result ready". Then flush (publish what a host-only
 scheduler waits on) and reply. On a GPU (and on the emulated accelerator) the reply leaves
 before the device finished; the scheduler reads results and KV only after their events.
+
+Requests arrive and replies leave on threads of their own (`mailboxes.py`). Where the
+slots are host memory that the forward reads in place (the CPU and the emulated device),
+the receiving thread also waits "staged" and reads the slot, while the previous forward
+still runs; on a GPU the forward stream does it, in order with the forward.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import queue
 import signal
 import sys
 import time
@@ -33,6 +39,7 @@ from mpprefill.worker.build import build_runner, num_kv_slots, swa_slots, worker
 from mpprefill.worker.device import DevicePlan, HostStream
 from mpprefill.worker.events import WorkerOrder, forward_gen, make_events, sample_gen
 from mpprefill.worker.hooks import DeviceHooks, LateReads
+from mpprefill.worker.mailboxes import Inbox, Outbox
 from mpprefill.worker.messages import Done, Exit, Failed, Ready, Sample, Submit
 from mpprefill.worker.runner import ForwardRunner, set_torch_threads
 from mpprefill.worker.staging import pin_segments, read_slot
@@ -76,18 +83,26 @@ def result_specs(max_reqs: int, vocab_size: int) -> ipc.bundle.Specs:
 
 @dataclasses.dataclass
 class WorkerLoop:
-    ch: ipc.Channel
     runner: ForwardRunner
     slots: list[dict[str, torch.Tensor]]  # both staging slots, opened once
     result: dict[str, torch.Tensor]  # both result slots (host shared memory)
     order: WorkerOrder
     stream: HostStream
     late_reads: LateReads | None = None
+    read_ahead: bool = False  # the receiving thread reads host slots (see the module doc)
     last: tuple | None = None  # (logits, sampling) of the last forward, for deferred sampling
 
-    def serve(self) -> None:
+    def prepare(self, msg):
+        """On the receiving thread, as each request arrives."""
+        if self.read_ahead and isinstance(msg, Submit):
+            return self._read(msg)
+        return None
+
+    def serve(self, inbox: Inbox, outbox: Outbox) -> None:
+        tracer = get_tracer()
         while True:
-            msg = self._next()
+            with tracer.span("recv"):
+                msg, read = self._next(inbox)
             if isinstance(msg, Exit):
                 self.stream.drain()
                 return
@@ -95,7 +110,7 @@ class WorkerLoop:
             if isinstance(msg, Submit):
                 if self.late_reads is not None:
                     self.late_reads.before_reuse(msg.slot)
-                span = self.stream.run(partial(self._forward, msg))
+                span = self.stream.run(partial(self._forward, msg, read))
                 sampled = not msg.delay_sample
             elif isinstance(msg, Sample):
                 span = self.stream.run(partial(self._sample, msg))
@@ -104,27 +119,35 @@ class WorkerLoop:
                 raise RuntimeError(f"unexpected message {type(msg).__name__}")
             self.order.flush()
             self.stream.check()
-            start_ns, end_ns = span or (0, 0)
-            self.ch.put(Done(msg.seq, time.perf_counter() - t0, sampled, start_ns, end_ns))
+            span = span or (0, 0, 0.0)
+            outbox.put(Done(msg.seq, time.perf_counter() - t0, sampled, *span))
 
-    def _next(self):
+    def _next(self, inbox: Inbox):
         if not self.stream.runs_elsewhere:
-            return self.ch.get()
+            return inbox.get()
         while True:  # the device may fail while the scheduler waits on its events
             self.stream.check()
             try:
-                return self.ch.get(timeout=0.05)
-            except ipc.MailboxTimeout:
+                return inbox.get(timeout=0.05)
+            except queue.Empty:
                 continue
 
-    def _forward(self, msg: Submit) -> tuple[int, int]:
+    def _read(self, msg: Submit):
+        with get_tracer().span("read", msg.seq):
+            self.order.before_read(msg.slot, msg.seq)
+            return read_slot(
+                self.slots[msg.slot],
+                msg.num_tokens,
+                msg.num_reqs,
+                msg.num_kv,
+                self.runner.kv.device,
+            )
+
+    def _forward(self, msg: Submit, read=None) -> tuple[int, int, float]:
         o = self.order
         slot = msg.slot
         seq = msg.seq
-        o.before_read(slot, seq)
-        fb, sampling, copied = read_slot(
-            self.slots[slot], msg.num_tokens, msg.num_reqs, msg.num_kv, self.runner.kv.device
-        )
+        fb, sampling, copied = read or self._read(msg)
         if copied:
             o.reads_done(slot, seq)
         inp = ForwardInput(seq, fb, sampling, msg.delay_sample, msg.want_logits)
@@ -132,11 +155,12 @@ class WorkerLoop:
         self.last = (out.logits.clone(), _own_copy(sampling)) if msg.delay_sample else None
         if not copied:
             self._release(slot, seq, fb)
-        o.forward_done(seq)
-        want_logits = msg.want_logits or msg.delay_sample
-        self._write_result(seq, out.next_token_ids, out.logits if want_logits else None)
-        o.result_ready(forward_gen(seq))
-        return out.start_ns, out.end_ns
+        with get_tracer().span("result", seq):
+            o.forward_done(seq)
+            want_logits = msg.want_logits or msg.delay_sample
+            self._write_result(seq, out.next_token_ids, out.logits if want_logits else None)
+            o.result_ready(forward_gen(seq))
+        return out.start_ns, out.end_ns, out.device_s
 
     def _sample(self, msg: Sample) -> None:
         if self.last is None:
@@ -165,7 +189,8 @@ def _own_copy(sampling: SamplingBatchInfo) -> SamplingBatchInfo:
     return dataclasses.replace(sampling, **{k: v.clone() for k, v in sampling.to_tensors().items()})
 
 
-def worker_main(setup: WorkerSetup, endpoint: str, parent: int) -> None:
+def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> None:
+    """`endpoints`: the scheduler's request channel and its reply channel."""
     logging.basicConfig(
         level=setup.args.get("log_level", "info").upper(),
         format="%(asctime)s %(levelname)s worker: %(message)s",
@@ -178,30 +203,38 @@ def worker_main(setup: WorkerSetup, endpoint: str, parent: int) -> None:
     set_torch_threads(args.worker_threads)
     if args.trace_dir:
         set_tracer(Tracer("worker", enabled=True))
-    ch = ipc.Channel(endpoint, bind=False, peer_pid=parent)
+    requests = ipc.Channel(endpoints[0], bind=False, peer_pid=parent)
+    replies = ipc.Channel(endpoints[1], bind=False, peer_pid=parent)
     watch = GcWatch().install()  # its pauses show as spans in a trace
+    outbox = None
     code = 0
     try:
         loop, ready, _owned = _setup(args, setup, parent)
         if not args.disable_gc_freeze:
             freeze_heap()
-        ch.put(ready, timeout=60)
-        loop.ch = ch
-        loop.serve()
+        replies.put(ready, timeout=60)
+        outbox = Outbox(replies)
+        loop.serve(Inbox(requests, loop.prepare), outbox)
     except ipc.PeerDied:
         logger.warning("scheduler went away; forward process exits")
         code = 1
     except BaseException as e:  # reported to the scheduler, then exit non-zero
         logger.exception("forward process failed")
-        _report(ch, f"{type(e).__name__}: {e}")
         code = 1
+        if outbox is not None:
+            outbox.close()
+            outbox = None
+        _report(replies, f"{type(e).__name__}: {e}")
     finally:
+        if outbox is not None:
+            outbox.close()
         watch.uninstall()
         if args.trace_dir:
             os.makedirs(args.trace_dir, exist_ok=True)
             get_tracer().dump(args.trace_dir)
         ipc.unlink_owned()
-        ch.close(linger_s=1.0)
+        replies.close(linger_s=1.0)
+        requests.close()
     sys.exit(code)
 
 
@@ -222,7 +255,9 @@ def _setup(args: ServerArgs, setup: WorkerSetup, parent: int):
     events, _ = make_events(plan, "worker", table, setup.cuda_events)
     stream = _stream(runner, plan, setup.hooks)
     order = WorkerOrder(events, alive=lambda: ipc.pid_alive(parent), record=stream.record)
-    loop = WorkerLoop(None, runner, slots, views, order, stream, setup.hooks.late_reads(plan))
+    late = setup.hooks.late_reads(plan)
+    read_ahead = plan.device == "cpu"  # host slots, read in place
+    loop = WorkerLoop(runner, slots, views, order, stream, late, read_ahead)
     ready = Ready(os.getpid(), kv_shared.handle, result.handles, dataclasses.asdict(cfg))
     return loop, ready, (kv_shared, result, pinned)
 

@@ -30,7 +30,13 @@ class _LocalWorker(Worker):
     def _run(self, inp: ForwardInput) -> ForwardResult:
         out = self.runner.forward(inp)
         return ForwardResult(
-            inp.seq, out.next_token_ids, out.logits, out.forward_s, out.start_ns, out.end_ns
+            inp.seq,
+            out.next_token_ids,
+            out.logits,
+            out.forward_s,
+            out.start_ns,
+            out.end_ns,
+            out.device_s,
         )
 
     def sample(self, inp: ForwardInput) -> torch.Tensor:

@@ -58,7 +58,10 @@ class ProcessWorker(Worker):
         events, cuda_events = make_events(self.plan, "scheduler", self._events_st.tensor)
         self._pending: deque[ForwardInput] = deque()
         self._kv: KVCache | None = None
-        self.channel = ipc.Channel(ipc.ipc_endpoint(f"fw-{self.prefix}"), bind=True)
+        # Requests (Submit, Sample, Exit) one way, replies the other: each side serves
+        # its receiving mailbox on a thread of its own (see mailboxes.py).
+        self.requests = ipc.Channel(ipc.ipc_endpoint(f"fw-{self.prefix}-req"), bind=True)
+        self.replies = ipc.Channel(ipc.ipc_endpoint(f"fw-{self.prefix}-rep"), bind=True)
         setup = WorkerSetup.of(
             dataclasses.asdict(args),
             self.plan,
@@ -73,10 +76,11 @@ class ProcessWorker(Worker):
             target=worker_main,
             name="mpprefill-forward",
             daemon=True,
-            args=(setup, self.channel.endpoint, os.getpid()),
+            args=(setup, (self.requests.endpoint, self.replies.endpoint), os.getpid()),
         )
         self.proc.start()
-        self.channel.set_peer(self.proc.pid)
+        self.requests.set_peer(self.proc.pid)
+        self.replies.set_peer(self.proc.pid)
         self.order = SchedulerOrder(events, alive=self.proc.is_alive)
         self.kv_fence = KVWriteFence(
             args.num_pages, args.page_size, self.order.kv_written, self.order.kv_written_query
@@ -136,7 +140,9 @@ class ProcessWorker(Worker):
         tokens = self.result["tokens"][row, :b].clone() if done.sampled else None
         want = inp.return_logits or inp.delay_sample
         logits = self.result["logits"][row, :b].clone() if want else None
-        return ForwardResult(done.seq, tokens, logits, done.forward_s, done.start_ns, done.end_ns)
+        return ForwardResult(
+            done.seq, tokens, logits, done.forward_s, done.start_ns, done.end_ns, done.device_s
+        )
 
     def sample(self, inp: ForwardInput) -> torch.Tensor:
         self._put(Sample(inp.seq))
@@ -158,13 +164,13 @@ class ProcessWorker(Worker):
 
     def _put(self, msg) -> None:
         try:
-            self.channel.put(msg, timeout=60)
+            self.requests.put(msg, timeout=60)
         except ipc.PeerDied:
             raise WorkerDied(self._death()) from None
 
     def _get(self, timeout: float | None):
         try:
-            msg = self.channel.get(timeout)
+            msg = self.replies.get(timeout)
         except ipc.PeerDied:
             raise WorkerDied(self._death()) from None
         if isinstance(msg, Failed):
@@ -176,7 +182,7 @@ class ProcessWorker(Worker):
     def _death(self) -> str:
         report = None
         with contextlib.suppress(ipc.MailboxError):  # its last words, if it said any
-            report = self.channel.get(timeout=0)
+            report = self.replies.get(timeout=0)
         self.proc.join(1)
         if isinstance(report, Failed):
             return f"forward process failed: {report.error}"
@@ -184,12 +190,13 @@ class ProcessWorker(Worker):
 
     @property
     def mailbox_bytes(self) -> int:
-        return self.channel.bytes_sent + self.channel.bytes_recv
+        channels = (self.requests, self.replies)
+        return sum(ch.bytes_sent + ch.bytes_recv for ch in channels)
 
     def close(self) -> None:
         if self.proc.is_alive():
             with contextlib.suppress(ipc.MailboxError):
-                self.channel.put(Exit("close"), timeout=2)
+                self.requests.put(Exit("close"), timeout=2)
             self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
@@ -197,16 +204,18 @@ class ProcessWorker(Worker):
         self.staging.unlink()
         self._events_st.unlink()
         ipc.remove_prefix(self.prefix)  # whatever the forward process left behind
-        self.channel.close()
+        self.requests.close()
+        self.replies.close()
 
     def kill_now(self) -> None:
-        """Kill the forward process, then unlink every segment and the channel's socket."""
+        """Kill the forward process, then unlink every segment and the channels' sockets."""
         with contextlib.suppress(Exception):
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(1)
             self.close()
-        ipc.remove_ipc_endpoint(self.channel.endpoint)
+        for ch in (self.requests, self.replies):
+            ipc.remove_ipc_endpoint(ch.endpoint)
 
 
 def _sleep_until_ns(t_ns: int) -> None:

@@ -27,6 +27,7 @@ class RunOutput(NamedTuple):
     forward_s: float  # host time of the call
     start_ns: int  # when the device began and finished this forward (clock_ns)
     end_ns: int
+    device_s: float  # the device's busy time in it
 
     @property
     def ready_at(self) -> float:
@@ -60,8 +61,10 @@ class ForwardRunner:
         tracer = get_tracer()
         if tracer.enabled:
             tracer.record("F", t0, t1 - t0, inp.seq)
-        start, end = (t0, t1) if self.device is None else self.device.last_span()
-        return RunOutput(tokens, logits, (t1 - t0) / 1e9, start, end)
+        forward_s = (t1 - t0) / 1e9
+        if self.device is None:
+            return RunOutput(tokens, logits, forward_s, t0, t1, forward_s)
+        return RunOutput(tokens, logits, forward_s, *self.device.last_forward())
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingBatchInfo) -> torch.Tensor:

@@ -48,7 +48,7 @@ def test_shrink_keeps_the_last_tokens_of_each_request():
 
 def test_host_model_has_the_emulated_layer_count():
     cfg = host_config(ModelConfig.tiny(), "Llama-3.1-8B")
-    assert cfg.num_hidden_layers == 32 and cfg.hidden_size == 64
+    assert cfg.num_hidden_layers == 32 and cfg.hidden_size == 32
     assert cfg.vocab_size == ModelConfig.tiny().vocab_size
     sliding = ModelConfig(sliding_window=8, layer_types=("sliding_attention",) * 4)
     with pytest.raises(ValueError, match="sliding-window"):
@@ -65,11 +65,12 @@ def test_device_time_follows_the_roofline_and_queues_behind_earlier_work():
     fb = _batch([300, 200], [512, 0])
     want = forward_time_s(shape, dev.gpu, [300, 200], [512, 0])
     dev.forward(model, fb, kv, seq=1)
-    start1, end1 = dev.last_span()
-    # The host issues each layer at least as late as the clock wants; never earlier.
+    start1, end1, busy1 = dev.last_forward()
+    assert busy1 == pytest.approx(want)
+    # The device waits for the host to issue each layer: the span is never shorter.
     assert (end1 - start1) / 1e9 >= want * (1 - 1e-9)
     dev.forward(model, fb, kv, seq=2)
-    start2, end2 = dev.last_span()
+    start2, end2, _ = dev.last_forward()
     assert start2 >= end1 - 1000  # the second forward waits for the first on the device
     assert dev.device_s == pytest.approx(2 * want)
 

@@ -28,6 +28,11 @@ class DecodeArgs:
     verify: bool = _f(False, "recompute each prompt's KV and compare it to what arrived")
     sliding_window: int | None = _server("sliding_window")
     swa_layers: str | None = _server("swa_layers")
+    emulate_model: str | None = _f(
+        None,
+        "the prefill side runs --device emulated with this --emulate-model: size the pool"
+        " for its stand-in model",
+    )
     disaggregation_transfer_backend: str = _f("shm", "how KV arrives", choices=DECODE_BACKENDS)
     register_timeout: float = _f(30.0, "seconds a registration may wait for free pages")
     log_level: str = _f("info", "logging level")
@@ -43,6 +48,8 @@ class DecodeArgs:
             raise ValueError(f"--disaggregation-transfer-backend: one of {DECODE_BACKENDS}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"--sliding-window must be positive, got {self.sliding_window}")
+        if self.verify and self.emulate_model is not None:
+            raise ValueError("--verify cannot check KV from an emulated device (not the model's)")
         self.transfer_delay  # noqa: B018 - validates the test delay
 
     @property

@@ -43,12 +43,22 @@ class Room:
     verifying: bool = False
 
 
+def pool_model_config(args: DecodeArgs) -> ModelConfig:
+    """The model whose KV this receiver's pool holds."""
+    config = ModelConfig.tiny() if args.model_path is None else read_config(args.model_path)
+    if args.emulate_model is None:
+        return config
+    from mpprefill.worker.emulated import host_config
+
+    return host_config(config, args.emulate_model)
+
+
 class DecodeReceiver:
     def __init__(self, args: DecodeArgs, delay: TransferDelay | None = None) -> None:
         """`delay` (test only): hold finished rooms' answers a while (decode/delay.py)."""
         self.args = args
         self.delay = delay or TransferDelay()
-        config = ModelConfig.tiny() if args.model_path is None else read_config(args.model_path)
+        config = pool_model_config(args)
         layers, heads, dim = KVCache.model_dims(config)
         num_pages = args.max_total_tokens // args.page_size
         dtype_name = str(config.torch_dtype).removeprefix("torch.")
