@@ -5,7 +5,7 @@ Knows nothing of LLMs; never imports mpprefill.
 
 from ipc.bundle import SharedBundle, open_bundle
 from ipc.codec import CodecError, decode, encode, message
-from ipc.events import EventTimeout, ShmEvent, ShmEventTable
+from ipc.events import EventTimeout, ShmEvent
 from ipc.handle import TensorHandle
 from ipc.mailbox import Channel, MailboxError, MailboxFull, MailboxTimeout, PeerDied
 from ipc.runtime import ipc_endpoint, new_prefix, pid_alive, remove_ipc_endpoint, runtime_dir
@@ -30,7 +30,6 @@ __all__ = [
     "PeerDied",
     "SharedTensor",
     "ShmEvent",
-    "ShmEventTable",
     "TensorHandle",
     "close_handle",
     "decode",

@@ -29,10 +29,6 @@ class SharedBundle:
             self.tensors[name] = view
             self.handles[name] = _field_handle(self._base.handle, view, offsets[name], shape, dtype)
 
-    @property
-    def nbytes(self) -> int:
-        return self._base.tensor.numel()
-
     def unlink(self) -> None:
         self._base.close()
         self._base.unlink()

@@ -49,7 +49,7 @@ class GenEvent(Protocol):
 
 
 class ShmEvent:
-    """One generation counter inside a shared int64 tensor (see `ShmEventTable`)."""
+    """One generation counter: a one-element view of a shared int64 tensor."""
 
     __slots__ = ("_cell", "name")
 
@@ -78,22 +78,6 @@ class ShmEvent:
 
     def flush(self) -> None:
         pass
-
-
-class ShmEventTable:
-    """A row of events over one shared tensor of int64 generations (all start at 0)."""
-
-    def __init__(self, table: torch.Tensor, names: list[str] | None = None):
-        if table.dtype != torch.int64 or table.dim() != 1:
-            raise ValueError("event table must be a 1-D int64 tensor")
-        names = names or [f"event{i}" for i in range(table.numel())]
-        self.events = [ShmEvent(table[i : i + 1], names[i]) for i in range(table.numel())]
-
-    def __getitem__(self, i: int) -> ShmEvent:
-        return self.events[i]
-
-    def __len__(self) -> int:
-        return len(self.events)
 
 
 def poll_until(

@@ -60,13 +60,6 @@ class TensorHandle:
     def key(self) -> tuple:
         return (self.kind, self.name, self.dtype, self.shape, self.offset)
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind,

@@ -7,7 +7,7 @@ protocol here: every data frame is answered by an ack frame when the receiver
 `put` blocks until the peer has taken the previous message, up to its timeout,
 then raises `MailboxFull`. `get` blocks up to its timeout, then raises
 `MailboxTimeout`. Both check the peer's pid while they wait and raise `PeerDied`
-within `poll_interval` (0.1 s by default) of its death.
+within `_POLL_MS` (0.1 s) of its death.
 
 One `Channel` carries a mailbox in each direction (data one way, acks the other),
 so a scheduler and its worker need one socket pair.
@@ -27,6 +27,7 @@ from ipc import codec
 from ipc.runtime import pid_alive
 
 _DATA, _ACK = b"M", b"A"
+_POLL_MS = 100  # longest wait between two checks of the peer's pid
 
 
 class MailboxError(RuntimeError):
@@ -46,29 +47,18 @@ class PeerDied(MailboxError):
 
 
 class Channel:
-    def __init__(
-        self,
-        endpoint: str,
-        bind: bool,
-        peer_pid: int | None = None,
-        poll_interval: float = 0.1,
-        ctx: zmq.Context | None = None,
-    ):
+    def __init__(self, endpoint: str, bind: bool, peer_pid: int | None = None):
         self.endpoint = endpoint
-        self._ctx = ctx or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PAIR)
+        self._sock = zmq.Context.instance().socket(zmq.PAIR)
         self._sock.setsockopt(zmq.LINGER, 0)
         (self._sock.bind if bind else self._sock.connect)(endpoint)
         self._peer_alive: Callable[[], bool] = lambda: True
         if peer_pid is not None:
             self.set_peer(peer_pid)
-        self._poll_ms = max(1, int(poll_interval * 1000))
         self._inbox: deque[bytes] = deque()
         self._unacked = 0
         self.bytes_sent = 0
         self.bytes_recv = 0
-        self.msgs_sent = 0
-        self.last_msg_bytes = 0
 
     def set_peer(self, pid: int) -> None:
         self._peer_alive = lambda: pid_alive(pid)
@@ -83,8 +73,6 @@ class Channel:
         self._send(_DATA + data, deadline)
         self._unacked = 1
         self.bytes_sent += len(data)
-        self.msgs_sent += 1
-        self.last_msg_bytes = len(data)
 
     def get(self, timeout: float | None = None) -> Any:
         """Take the next message, freeing the peer's slot."""
@@ -104,13 +92,6 @@ class Channel:
             self._pump(_deadline(timeout))
         return bool(self._inbox)
 
-    @property
-    def slot_free(self) -> bool:
-        """True when `put` would not wait (the peer took the previous message)."""
-        while self._unacked and self._sock.poll(0):
-            self._recv_frame()
-        return not self._unacked
-
     def _send(self, frame: bytes, deadline: float | None) -> None:
         """Send without blocking forever: a PAIR socket with no peer would block."""
         while True:
@@ -119,7 +100,7 @@ class Channel:
                 return
             except zmq.Again:
                 pass
-            wait = self._poll_ms if deadline is None else _remaining_ms(deadline, self._poll_ms)
+            wait = _POLL_MS if deadline is None else _remaining_ms(deadline, _POLL_MS)
             if self._sock.poll(wait, zmq.POLLOUT):
                 continue
             if not self._peer_alive():
@@ -130,7 +111,7 @@ class Channel:
     def _pump(self, deadline: float | None) -> bool:
         """Receive one frame; False on timeout. Checks the peer between poll slices."""
         while True:
-            wait = self._poll_ms if deadline is None else _remaining_ms(deadline, self._poll_ms)
+            wait = _POLL_MS if deadline is None else _remaining_ms(deadline, _POLL_MS)
             if self._sock.poll(wait):
                 self._recv_frame()
                 return True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import dataclass
 
@@ -17,8 +16,6 @@ from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.worker.api import WorkerDied
 from mpprefill.worker.factory import make_worker
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

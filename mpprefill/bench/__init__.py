@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from mpprefill.bench.progress import Progress
-from mpprefill.bench.stats import Timer, describe, median, percentile
+from mpprefill.bench.stats import percentile
 from mpprefill.bench.workload import (
     RequestSpec,
     Workload,
     WorkloadParams,
     arrival_times,
-    generated_shared_prefix,
     random_prompts,
     simulate_hit_rate,
     solve_for_hit_rate,
@@ -18,13 +17,9 @@ from mpprefill.bench.workload import (
 __all__ = [
     "Progress",
     "RequestSpec",
-    "Timer",
     "Workload",
     "WorkloadParams",
     "arrival_times",
-    "describe",
-    "generated_shared_prefix",
-    "median",
     "percentile",
     "random_prompts",
     "simulate_hit_rate",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -10,8 +9,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-
-import zmq
 
 import ipc
 from mpprefill.client import Client
@@ -59,22 +56,18 @@ class Child:
             return ""
 
 
-def _spawn(name: str, args: list[str], log_dir: str, env: dict | None) -> tuple:
+def _spawn(name: str, args: list[str], log_dir: str) -> tuple:
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}-{port}.log")
     log = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed with it
     cmd = [sys.executable, "-m", "mpprefill", *args, "--port", str(port)]
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-    )
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     return proc, port, log_path
 
 
-def start_server(
-    flags: list[str], log_dir: str, env: dict | None = None, timeout: float = 120.0
-) -> Child:
-    proc, port, log_path = _spawn("serve", ["serve", *flags], log_dir, env)
+def start_server(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
+    proc, port, log_path = _spawn("serve", ["serve", *flags], log_dir)
     child = Child("serve", proc, port, log_path)
     client = Client(f"127.0.0.1:{port}")
     try:
@@ -85,22 +78,18 @@ def start_server(
 
 
 def start_decode(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
-    proc, port, log_path = _spawn("decode", ["decode", *flags], log_dir, None)
+    proc, port, log_path = _spawn("decode", ["decode", *flags], log_dir)
     child = Child("decode", proc, port, log_path)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    client = Client(f"127.0.0.1:{port}")
 
     def ping():
-        sock.send(json.dumps({"type": "ping"}).encode())
-        if not sock.poll(1000):
-            raise TimeoutError
-        sock.recv()
+        client.send({"type": "ping"})
+        client.recv(timeout=1.0)
 
     try:
         _wait_ready(child, ping, timeout)
     finally:
-        sock.close(linger=0)
+        client.close()
     return child
 
 

@@ -32,7 +32,11 @@ def run_profile(args: argparse.Namespace) -> int:
         report[mode] = {"summary": summary.to_dict(), "run": run}
         print(
             f"\n== {mode}: uncached ITPS {run['uncached_itps']:,.0f}, "
-            f"trace {merged[mode]}\n{summary.format()}"
+            f"trace {merged[mode]}\n{summary.format()}\n"
+            f"per batch: hand-off gap {run['handoff_gap_ms']:.2f} ms (median), "
+            f"t_sched {run['t_sched_ms']:.2f} ms, t_issue {run['t_issue_ms']:.2f} ms, "
+            f"t_device {run['t_device_ms']:.2f} ms; device busy {run['device_busy_frac']:.2f}"
+            f" ({run['device']})"
         )
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(report, f, indent=1)

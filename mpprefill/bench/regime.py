@@ -54,12 +54,13 @@ def plot_regime_map(results: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(chunks), 1.4 + 0.9 * len(models)))
     image = ax.imshow(values, cmap="RdYlGn", vmin=0.75, vmax=1.75)
     ax.set_xticks(range(len(chunks)), [f"{c} tokens" for c in chunks])
+    ax.set_xlabel("new tokens per batch (chunked prefill size)")
     ax.set_yticks(range(len(models)), models)
     for i, m in enumerate(models):
         for j, c in enumerate(chunks):
             res = cells[(m, c)]
             pa = {r["mode"]: r for r in res["runs"]}.get("proc-ahead")
-            tag = " launch-bound" if pa is not None and is_launch_bound(pa) else ""
+            tag = "\nlaunch-bound" if pa is not None and is_launch_bound(pa) else ""
             ax.text(j, i, f"{values[i][j]:.2f}x{tag}", ha="center", va="center", fontsize=9)
     device = results[0]["runs"][0].get("device", "emulated") if results else "emulated"
     gpu = device.split("(")[-1].split(",")[0] if "(" in device else device

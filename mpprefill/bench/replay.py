@@ -10,9 +10,11 @@ import torch
 from mpprefill.config import ServerArgs
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling import SamplingBatchInfo, SamplingParams
-from mpprefill.worker.api import ForwardInput
+from mpprefill.worker.api import ForwardInput, sleep_until_ns
 from mpprefill.worker.build import build_runner
 from mpprefill.worker.runner import set_torch_threads
+
+WARMUP = 2  # untimed forwards of the first batches before the timed replay
 
 
 def load_shapes(path: str) -> list[tuple[list[int], list[int]]]:
@@ -20,22 +22,20 @@ def load_shapes(path: str) -> list[tuple[list[int], list[int]]]:
         return [(list(p), list(e)) for p, e in json.load(f)]
 
 
-def forward_bound(
-    shapes: list[tuple[list[int], list[int]]], args: ServerArgs, warmup: int = 2, seed: int = 0
-) -> dict:
+def forward_bound(shapes: list[tuple[list[int], list[int]]], args: ServerArgs) -> dict:
     """ITPS of the recorded batches with no scheduler in between (same model and threads)."""
     if not shapes:
         raise ValueError("no batches to replay")
     set_torch_threads(args.worker_threads)
     runner = build_runner(args, args.torch_device)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
     vocab = runner.vocab_size
     batches = [_batch(p, e, runner.kv, vocab, g) for p, e in shapes]  # built untimed
-    for seq, (fb, sampling) in enumerate(batches[:warmup]):
+    for seq, (fb, sampling) in enumerate(batches[:WARMUP]):
         _sync(args.device, runner.forward(ForwardInput(seq, fb, sampling)))
     t0 = time.perf_counter()
     out = None
-    for seq, (fb, sampling) in enumerate(batches, start=warmup):
+    for seq, (fb, sampling) in enumerate(batches, start=WARMUP):
         out = runner.forward(ForwardInput(seq, fb, sampling))
     _sync(args.device, out)  # device work is asynchronous: the clock stops when it is done
     elapsed = time.perf_counter() - t0
@@ -68,6 +68,5 @@ def _batch(prefix_lens, extend_lens, kv, vocab, g) -> tuple:
 def _sync(device: str, out) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    left = out.ready_at - time.monotonic() if out is not None else 0
-    if left > 0:  # the emulated device's clock
-        time.sleep(left)
+    if out is not None:  # the emulated device's clock
+        sleep_until_ns(out.end_ns)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import sys
 import tempfile
@@ -15,7 +14,6 @@ from mpprefill.bench.workload import Workload, solve_for_hit_rate
 from mpprefill.config import FORWARD_MODES, ServerArgs
 from mpprefill.flags import from_namespace
 
-logger = logging.getLogger(__name__)
 THREAD_MODES = ("thread", "thread-ahead")
 
 

@@ -139,35 +139,6 @@ def _shared_prefix(sizes: list[int], params: WorkloadParams) -> Workload:
     return _finish(prompts, params)
 
 
-def generated_shared_prefix(
-    num_groups: int = 64,
-    prompts_per_group: int = 16,
-    system_prompt_len: int = 2048,
-    question_len: int = 128,
-    *,
-    vocab_size: int = DEFAULT_VOCAB,
-    page_size: int = 16,
-    request_rate: float = INF,
-    seed: int = 0,
-) -> Workload:
-    """SGLang's shape: num_groups × prompts_per_group prompts of system + question tokens."""
-    if num_groups < 1 or prompts_per_group < 1 or question_len < 0 or system_prompt_len < 0:
-        raise ValueError("groups and prompts per group must be >= 1, lengths >= 0")
-    params = WorkloadParams(
-        "shared-prefix",
-        num_groups * prompts_per_group,
-        num_groups=num_groups,
-        prompts_per_group=prompts_per_group,
-        system_prompt_len=system_prompt_len,
-        question_len=question_len,
-        vocab_size=vocab_size,
-        page_size=page_size,
-        request_rate=request_rate,
-        seed=seed,
-    )
-    return _shared_prefix([prompts_per_group] * num_groups, params)
-
-
 def random_prompts(
     n: int,
     len_range: tuple[int, int] | int,

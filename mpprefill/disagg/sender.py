@@ -27,7 +27,7 @@ class KVSender:
     the prompt's last window (planes.window_swa_pages), which pair with its last pages.
     """
 
-    def init(self, num_pages: int, aux_index: int | None = None) -> None:
+    def init(self, num_pages: int) -> None:
         self.num_pages = num_pages
 
     def send(

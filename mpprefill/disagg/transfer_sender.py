@@ -119,7 +119,7 @@ class TransferSender(KVSender):
             return f"bootstrap timed out after {timeout:.1f} s"
         return f"no answer from the decode side within {timeout:.1f}s"
 
-    def init(self, num_pages: int, aux_index: int | None = None) -> None:
+    def init(self, num_pages: int) -> None:
         self.num_pages = num_pages
         room = len(self.dst_pages) - self._prefix_pages if self.dst_pages is not None else 0
         if num_pages > room:

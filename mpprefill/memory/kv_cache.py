@@ -3,6 +3,7 @@ of their own."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -61,7 +62,7 @@ class KVCache:
             self.buffer, self.swa_buffer = buffer, None
         else:
             full = (2, len(self.full_layers), num_slots, num_kv_heads, head_dim)
-            n_full = _numel(full)
+            n_full = math.prod(full)
             self.buffer = buffer[:n_full].view(full)
             swa = (2, len(self.swa_layers), num_swa_slots, num_kv_heads, head_dim)
             self.swa_buffer = buffer[n_full:].view(swa)
@@ -140,7 +141,7 @@ class KVCache:
             return full
         n_swa = len(swa_layers)
         swa = cls.shape(n_swa, num_swa_slots, num_kv_heads, head_dim)
-        return (_numel(full) // num_layers * (num_layers - n_swa) + _numel(swa),)
+        return (math.prod(full) // num_layers * (num_layers - n_swa) + math.prod(swa),)
 
     @property
     def num_layers(self) -> int:
@@ -168,9 +169,6 @@ class KVCache:
         _, layers, _, heads, dim = self.buffer.shape
         return 2 * layers * heads * dim * self.buffer.element_size()
 
-    def is_swa(self, layer: int) -> bool:
-        return self._where[layer][0] is self.swa_buffer and self.swa_buffer is not None
-
     def k(self, layer: int) -> torch.Tensor:
         """View [slots of its pool, num_kv_heads, head_dim] of one layer's keys."""
         pool, j = self._where[layer]
@@ -190,10 +188,3 @@ class KVCache:
         if self.swa_buffer is not None:
             raise ValueError("gather reads one pool; this cache has an SWA pool too")
         return self.buffer.index_select(2, slots)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

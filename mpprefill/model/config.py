@@ -115,7 +115,7 @@ class ModelConfig:
         return cls()
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from an HF config.json dict (Llama or Qwen2); the checkpoint's dtype is cast."""
         arch = _architecture(hf)
         _check_supported_features(hf)
@@ -132,7 +132,6 @@ class ModelConfig:
             attention_bias=attn_bias,
             attention_out_bias=attn_bias and not qwen2,
             architecture=arch,
-            dtype=dtype,
             **_sliding(hf, qwen2),
         )
 

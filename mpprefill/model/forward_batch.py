@@ -29,8 +29,8 @@ class ForwardBatch:
     prefix_lens: torch.Tensor
     extend_lens: torch.Tensor
     kv_indices: torch.Tensor
-    swa_out_cache_loc: torch.Tensor = field(default_factory=lambda: _long([], "cpu"))
-    swa_kv_indices: torch.Tensor = field(default_factory=lambda: _long([], "cpu"))
+    swa_out_cache_loc: torch.Tensor = field(default_factory=lambda: _long([]))
+    swa_kv_indices: torch.Tensor = field(default_factory=lambda: _long([]))
 
     @property
     def has_swa_slots(self) -> bool:
@@ -65,7 +65,6 @@ class ForwardBatch:
         input_ids: Sequence[Sequence[int]],
         prefix_lens: Sequence[int],
         kv_slots: Sequence[Sequence[int]],
-        device: torch.device | str = "cpu",
     ) -> ForwardBatch:
         """From per-request new token ids, prefix lengths and whole-sequence KV slots."""
         same = len(input_ids) == len(prefix_lens) == len(kv_slots)
@@ -77,12 +76,12 @@ class ForwardBatch:
             list(range(p, p + len(ids))) for ids, p in zip(input_ids, prefix_lens, strict=True)
         ]
         fb = cls(
-            input_ids=_flat(input_ids, device),
-            positions=_flat(positions, device),
-            out_cache_loc=_flat(new_slots, device),
-            prefix_lens=_long(prefix_lens, device),
-            extend_lens=_long([len(ids) for ids in input_ids], device),
-            kv_indices=_flat(kv_slots, device),
+            input_ids=_flat(input_ids),
+            positions=_flat(positions),
+            out_cache_loc=_flat(new_slots),
+            prefix_lens=_long(prefix_lens),
+            extend_lens=_long([len(ids) for ids in input_ids]),
+            kv_indices=_flat(kv_slots),
         )
         fb.validate(deep=True)
         return fb
@@ -135,9 +134,9 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(f"ForwardBatch: {message}")
 
 
-def _long(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int64, device=device)
+def _long(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
 
 
-def _flat(rows: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
-    return _long([v for row in rows for v in row], device)
+def _flat(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    return _long([v for row in rows for v in row])

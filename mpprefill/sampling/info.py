@@ -40,11 +40,7 @@ def greedy_rows(temperatures: torch.Tensor, top_ks: torch.Tensor) -> torch.Tenso
 
 @dataclass(slots=True, eq=False)
 class SamplingBatchInfo:
-    """Sampling tensors of a batch of B requests.
-
-    `all_greedy` True promises every row is greedy; False may be conservative (a filter
-    never recomputes it). `penalizer` is scheduler-only state that never reaches the forward.
-    """
+    """Sampling tensors of a batch of B requests; `all_greedy`: every row is greedy."""
 
     temperatures: torch.Tensor  # [B, 1] float32
     top_ps: torch.Tensor  # [B] float32
@@ -53,16 +49,13 @@ class SamplingBatchInfo:
     seeds: torch.Tensor  # [B] int64, 0 where has_seed is False
     has_seed: torch.Tensor  # [B] bool
     all_greedy: bool
-    penalizer: object | None = None
 
     @property
     def batch_size(self) -> int:
         return self.top_ps.shape[0]
 
     @classmethod
-    def from_params(
-        cls, params: list[SamplingParams], vocab_size: int, device: str | torch.device = "cpu"
-    ) -> SamplingBatchInfo:
+    def from_params(cls, params: list[SamplingParams], vocab_size: int) -> SamplingBatchInfo:
         rows = {
             "temperatures": [[p.temperature] for p in params],
             "top_ps": [p.top_p for p in params],
@@ -71,18 +64,12 @@ class SamplingBatchInfo:
             "seeds": [0 if p.seed is None else p.seed for p in params],
             "has_seed": [p.seed is not None for p in params],
         }
-        tensors = {name: _as_tensor(name, rows[name], device) for name in PACKED_FIELDS}
+        tensors = {name: _as_tensor(name, rows[name]) for name in PACKED_FIELDS}
         return cls(**tensors, all_greedy=all(p.is_greedy for p in params))
 
-    def filter(self, keep: list[int]) -> None:
-        """Keep rows `keep` in place. Fields are rebound, never written, so copies are safe."""
-        index = torch.tensor(keep, dtype=torch.int64, device=self.top_ps.device)
-        for name in PACKED_FIELDS:
-            setattr(self, name, getattr(self, name).index_select(0, index))
-
     def copy_for_forward(self) -> SamplingBatchInfo:
-        """Shallow copy without scheduler-only state; tensors are shared, not cloned."""
-        return dataclasses.replace(self, penalizer=None)
+        """Shallow copy: tensors are shared, not cloned."""
+        return dataclasses.replace(self)
 
     def to(self, device: str | torch.device) -> SamplingBatchInfo:
         moved = {name: getattr(self, name).to(device) for name in PACKED_FIELDS}
@@ -112,6 +99,6 @@ class SamplingBatchInfo:
         return {name: ((max_batch, *_row_shape(name)), _DTYPES[name]) for name in PACKED_FIELDS}
 
 
-def _as_tensor(name: str, rows: list, device: str | torch.device) -> torch.Tensor:
-    out = torch.tensor(rows, dtype=_DTYPES[name], device=device)
+def _as_tensor(name: str, rows: list) -> torch.Tensor:
+    out = torch.tensor(rows, dtype=_DTYPES[name])
     return out.reshape(len(rows), *_row_shape(name))

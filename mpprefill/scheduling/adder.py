@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from mpprefill.memory.allocator import PagedTokenAllocator
+from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.radix_cache import MatchResult, RadixCache
 from mpprefill.scheduling.kv_pools import reclaimable_pages
 from mpprefill.scheduling.req import Req
@@ -140,7 +140,7 @@ class PrefillAdder:
         if self.rem_chunk is not None:
             budget = min(budget, self.rem_chunk)
         ps = self.page_size
-        max_end = (-(-prefix // ps) + self.rem_pages) * ps  # last slot the free pages reach
+        max_end = (cdiv(prefix, ps) + self.rem_pages) * ps  # last slot the free pages reach
         budget = min(budget, max_end - prefix)
         if budget < want:
             if self.rem_chunk is None:
@@ -155,7 +155,6 @@ class PrefillAdder:
         if n <= 0:
             return
         req.fill_ids = req.origin_input_ids[: req.prefix_len + n]
-        req.extend_input_len = n
         req.is_chunked = not req.is_last_chunk()
         self.reserved_pages += self._pages(req, n)
         self.rem_input -= n

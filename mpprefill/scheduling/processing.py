@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import TYPE_CHECKING
 
 from mpprefill.disagg.planes import window_swa_pages
@@ -14,8 +12,6 @@ from mpprefill.trace.tracer import clock_ns
 if TYPE_CHECKING:
     from mpprefill.scheduling.batch import ScheduleBatch
     from mpprefill.worker.api import ForwardResult
-
-logger = logging.getLogger(__name__)
 
 
 class ResultProcessing:
@@ -177,7 +173,7 @@ class ResultProcessing:
         if req.finished:
             return
         req.status = ReqStatus.FAILED if error else ReqStatus.DONE
-        req.error, req.finish_time = error, time.monotonic()
+        req.error = error
         self.live.pop(req.rid, None)
         self.metrics.on_finish(req)
         self.on_finish(req)

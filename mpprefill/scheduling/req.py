@@ -36,7 +36,6 @@ class Req:
     cache_protected_len: int = 0
     swa_evicted_len: int = 0  # SWA KV of positions below this was freed (out of window)
     fill_ids: list[int] = field(default_factory=list)
-    extend_input_len: int = 0
     # NOTE: incremented when a non-final chunk is admitted, decremented when its result
     # is processed; <= 0 at processing time means the final chunk. Lives on the real Req.
     inflight_middle_chunks: int = 0
@@ -52,7 +51,6 @@ class Req:
     logits: torch.Tensor | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    finish_time: float | None = None
 
     @property
     def prompt_len(self) -> int:

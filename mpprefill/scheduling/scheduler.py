@@ -8,7 +8,6 @@ engine) hands requests in through `recv_requests` and gets them back through
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,8 +29,6 @@ from mpprefill.scheduling.processing import ResultProcessing
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.trace.tracer import clock_ns, get_tracer
 from mpprefill.worker.api import ForwardResult, Worker
-
-logger = logging.getLogger(__name__)
 
 
 class Scheduler(ResultProcessing):

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from mpprefill.trace import chrome
 from mpprefill.trace.summary import OverlapSummary, summarize
-from mpprefill.trace.tracer import Tracer, get_tracer, measure_overhead, set_tracer
+from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 
 __all__ = [
     "OverlapSummary",
     "Tracer",
     "chrome",
     "get_tracer",
-    "measure_overhead",
     "set_tracer",
     "summarize",
 ]

@@ -143,21 +143,18 @@ def to_spans(events: Iterable[dict], t0_ns: int = 0) -> list[Span]:
 
 @dataclass
 class Trace:
-    """Spans of one run with the names of its processes and threads."""
+    """Spans of one run with the names of its threads."""
 
     spans: list[Span]
-    processes: dict[int, str]
     threads: dict[tuple[int, int], str]
 
     @classmethod
     def from_events(cls, events: list[dict], t0_ns: int = 0) -> Trace:
-        procs, threads = {}, {}
+        threads = {}
         for ev in events:
-            if ev.get("ph") == "M" and ev["name"] == "process_name":
-                procs[ev["pid"]] = ev["args"]["name"]
-            elif ev.get("ph") == "M" and ev["name"] == "thread_name":
+            if ev.get("ph") == "M" and ev["name"] == "thread_name":
                 threads[(ev["pid"], ev["tid"])] = ev["args"]["name"]
-        return cls(to_spans(events, t0_ns), procs, threads)
+        return cls(to_spans(events, t0_ns), threads)
 
 
 def read(source: str | os.PathLike | list | dict | Tracer | Trace) -> Trace:

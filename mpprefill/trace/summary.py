@@ -127,7 +127,6 @@ def summarize(
     *,
     queue_samples: Iterable[tuple[int, int]] | None = None,
     window_ns: tuple[int, int] | None = None,
-    sched_lane: Lane | None = None,
 ) -> OverlapSummary:
     """Summarise one run: a merged trace or dump path, chrome events, or tracers in memory.
 
@@ -139,7 +138,7 @@ def summarize(
         window_ns = (min(s.start_ns for s in trace.spans), max(s.end_ns for s in trace.spans))
     lo, hi = window_ns or (0, 0)
     clipped = _clip(spans, lo, hi)
-    lane = sched_lane or scheduler_lane(spans)
+    lane = scheduler_lane(spans)
     fwd = union(iv for s, iv in clipped if s.name == FORWARD)
     work = union(iv for s, iv in clipped if s.name in SCHED_WORK and (s.pid, s.tid) == lane)
     samples = _samples(trace.spans) if queue_samples is None else list(queue_samples)

@@ -131,10 +131,6 @@ class Tracer:
     def name_thread(self, tid: int) -> None:
         self.threads[tid] = threading.current_thread().name
 
-    def clear(self) -> None:
-        self.records.clear()
-        self.async_records.clear()
-
     def to_dump(self) -> dict:
         live = {t.native_id: t.name for t in threading.enumerate() if t.native_id in self.threads}
         return {
@@ -174,23 +170,3 @@ def set_tracer(tracer: Tracer) -> Tracer:
     global _tracer
     prev, _tracer = _tracer, tracer
     return prev
-
-
-def measure_overhead(n: int = 100_000) -> dict[str, float]:
-    """ns per `with tracer.span(...)` disabled and enabled, minus an empty loop."""
-
-    def run(tracer: Tracer | None) -> float:
-        t0 = time.perf_counter_ns()
-        if tracer is None:
-            for _ in range(n):
-                pass
-        else:
-            for i in range(n):
-                with tracer.span("F", i):
-                    pass
-        return (time.perf_counter_ns() - t0) / n
-
-    base = min(run(None) for _ in range(3))
-    off = min(run(Tracer("overhead", enabled=False)) for _ in range(3))
-    on = min(run(Tracer("overhead", enabled=True)) for _ in range(3))
-    return {"disabled_ns": max(off - base, 0.0), "enabled_ns": max(on - base, 0.0)}

@@ -10,6 +10,7 @@ after their copy completed.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -21,6 +22,13 @@ from mpprefill.sampling import SamplingBatchInfo
 if TYPE_CHECKING:
     from mpprefill.memory.kv_cache import KVCache
     from mpprefill.worker.fence import KVWriteFence
+
+
+def sleep_until_ns(t_ns: int) -> None:
+    """Sleep until clock_ns (monotonic) reaches `t_ns`; return at once if it has."""
+    left = t_ns / 1e9 - time.monotonic()
+    if left > 0:
+        time.sleep(left)
 
 
 @dataclass(slots=True, eq=False)
@@ -50,9 +58,7 @@ class ForwardResult(NamedTuple):
     def wait_ready(self) -> None:
         """Return once the forward's device work is done (at once unless the device runs
         behind the host, as the emulated accelerator does); sleeps without the GIL."""
-        left = self.end_ns / 1e9 - time.monotonic()
-        if left > 0:
-            time.sleep(left)
+        sleep_until_ns(self.end_ns)
 
 
 class WorkerDied(RuntimeError):
@@ -90,6 +96,13 @@ class Worker:
     def kill_now(self) -> None:
         """Stop at once, for a process that exits right after (a second signal)."""
         self.close()
+
+    def _check_room(self, pending: Sequence[ForwardInput]) -> None:
+        """Raise unless one more forward may join `pending` (submitted, not collected)."""
+        if len(pending) >= self.max_in_flight:
+            raise RuntimeError(f"more than {self.max_in_flight} forwards submitted")
+        if pending and pending[-1].delay_sample:
+            raise RuntimeError("submit before the deferred sample of the previous forward")
 
     @property
     def kv_cache(self) -> KVCache:

@@ -7,7 +7,7 @@
 | cuda   | cuda-ipc | device (CUDA IPC)    | CudaGenEvent     | CudaGenEvent               |
 
 Everything else (which event is waited on before what) is the same on every row; see
-`ordering.py`.
+`events.py`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ from typing import TypeVar
 
 import torch
 
-from ipc.cuda import CudaGenEvent, HostFencedEvent
-from ipc.events import GenEvent, ShmEvent
+from ipc.events import GenEvent
 
-EVENT_CLASSES = {"shm": ShmEvent, "cuda": CudaGenEvent, "fenced": HostFencedEvent}
 T = TypeVar("T")
 CLOCK_HZ = 1.5e9  # SM cycles per second assumed by device-side test sleeps
 
@@ -48,15 +46,6 @@ class DevicePlan:
         return cls("cpu", "shm") if kind == "cpu" else cls(kind, staging)
 
     @property
-    def slot_device(self) -> str:
-        """Where the staging slots live (the scheduler allocates them there)."""
-        return "cuda" if self.staging == "cuda-ipc" else "cpu"
-
-    @property
-    def scheduler_uses_cuda(self) -> bool:
-        return self.staging == "cuda-ipc"
-
-    @property
     def pin_host_buffers(self) -> bool:
         """Page-lock the shared host buffers the worker copies from and to."""
         return self.device == "cuda"
@@ -70,15 +59,13 @@ class DevicePlan:
             return "fenced"
         return "shm"
 
-    def event_class(self, side: str, recorder: str) -> type:
-        return EVENT_CLASSES[self.event_kind(side, recorder)]
-
 
 class HostStream:
     """The CPU "device": issued work runs at once, on the calling thread."""
 
     # Whether issued work runs elsewhere and may fail later (then `check` raises it).
     runs_elsewhere = False
+    error: BaseException | None = None  # what issued work that ran elsewhere raised
 
     def run(self, fn: Callable[[], T]) -> T | None:
         """Issue `fn`; its value where it ran at once (None where it runs later)."""
@@ -90,6 +77,8 @@ class HostStream:
 
     def check(self) -> None:
         """Raise what issued work raised (work that ran later, elsewhere)."""
+        if self.error is not None:
+            raise self.error
 
     def drain(self) -> None:
         """Return once every issued piece of work has run."""

@@ -98,18 +98,17 @@ def shrink(fb: ForwardBatch, keep: int = KEEP_TOKENS) -> ForwardBatch:
 class EmulatedDevice:
     """Charges each forward's roofline time on a device clock."""
 
-    def __init__(self, shape: ModelShape, gpu: str, clock: DeviceClock | None = None):
+    def __init__(self, shape: ModelShape, gpu: str):
         self.shape = shape
         self.gpu = GPUS[gpu]
-        self.clock = clock or DeviceClock()
+        self.clock = DeviceClock()
         self._last = (0, 0, 0.0)
-        self.device_s = 0.0  # device seconds charged so far
 
     @classmethod
     def of(cls, emulate_model: str, gpu: str) -> EmulatedDevice:
         return cls(resolve_shape(emulate_model), gpu)
 
-    def forward(self, model: LlamaForCausalLM, fb: ForwardBatch, kv: KVCache, seq: int):
+    def forward(self, model: LlamaForCausalLM, fb: ForwardBatch, kv: KVCache):
         extend = fb.extend_lens.tolist()
         prefix = fb.prefix_lens.tolist()
         layer_s = layer_time_s(self.shape, self.gpu, extend, prefix)
@@ -117,16 +116,15 @@ class EmulatedDevice:
         first: list[float] = []
 
         def on_layer(i: int) -> None:
-            end = self.clock.issue(layer_s, seq)
+            end = self.clock.issue(layer_s)
             if not first:
                 first.append(end - layer_s)
 
         logits = model(shrink(fb), kv, on_layer)
-        end = self.clock.issue(head_s, seq)
+        end = self.clock.issue(head_s)
         start = first[0] if first else end - head_s
         busy = layer_s * len(model.layers) + head_s
         self._last = (int(start * 1e9), int(end * 1e9), busy)
-        self.device_s += busy
         return logits
 
     def last_forward(self) -> tuple[int, int, float]:
@@ -144,7 +142,6 @@ class EmulatedStream(HostStream):
 
     def __init__(self, clock: DeviceClock):
         self.clock = clock
-        self.error: BaseException | None = None
         self._due: list[tuple[float, int, Callable[[], None]]] = []
         self._n = 0
         self._cv = threading.Condition()
@@ -160,10 +157,6 @@ class EmulatedStream(HostStream):
             self._n += 1
             heapq.heappush(self._due, (at, self._n, lambda: event.record(gen)))
             self._cv.notify()
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
 
     def drain(self) -> None:
         self.clock.wait_until(self.clock.busy_until)

@@ -6,17 +6,14 @@ from mpprefill.config import ServerArgs
 from mpprefill.model import ModelConfig
 from mpprefill.worker.api import Worker
 from mpprefill.worker.build import build_runner
-from mpprefill.worker.hooks import DeviceHooks
 from mpprefill.worker.local import InlineWorker, ThreadWorker
 from mpprefill.worker.process import ProcessWorker
 from mpprefill.worker.runner import set_torch_threads
 
 
-def make_worker(
-    args: ServerArgs, mode: str, hooks: DeviceHooks | None = None
-) -> tuple[Worker, ModelConfig]:
+def make_worker(args: ServerArgs, mode: str) -> tuple[Worker, ModelConfig]:
     if mode in ("proc", "proc-ahead"):
-        worker = ProcessWorker(args, hooks)
+        worker = ProcessWorker(args)
         return worker, worker.model_config
     set_torch_threads(args.worker_threads)
     runner = build_runner(args, args.torch_device)

@@ -14,7 +14,7 @@ from collections import deque
 
 import torch
 
-from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied
+from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied, sleep_until_ns
 from mpprefill.worker.fence import KVWriteFence
 from mpprefill.worker.runner import ForwardRunner
 
@@ -28,16 +28,7 @@ class _LocalWorker(Worker):
         return self.runner.kv
 
     def _run(self, inp: ForwardInput) -> ForwardResult:
-        out = self.runner.forward(inp)
-        return ForwardResult(
-            inp.seq,
-            out.next_token_ids,
-            out.logits,
-            out.forward_s,
-            out.start_ns,
-            out.end_ns,
-            out.device_s,
-        )
+        return ForwardResult(inp.seq, *self.runner.forward(inp))
 
     def sample(self, inp: ForwardInput) -> torch.Tensor:
         # NOTE: called only after collect(), so the worker is idle here.
@@ -94,10 +85,7 @@ class ThreadWorker(_LocalWorker):
         self._thread.start()
 
     def submit(self, inp: ForwardInput) -> None:
-        if len(self._pending) >= self.max_in_flight:
-            raise RuntimeError(f"more than {self.max_in_flight} forwards submitted")
-        if self._pending and self._pending[-1].delay_sample:
-            raise RuntimeError("submit before the deferred sample of the previous forward")
+        self._check_room(self._pending)
         if self.kv_fence is not None:
             self.kv_fence.note_writes(inp.seq, inp.forward.out_cache_loc)
         self._in.put_nowait(inp)
@@ -114,9 +102,8 @@ class ThreadWorker(_LocalWorker):
             while self._done_seq < seq:
                 if not self._done_cv.wait(0.1) and not self._thread.is_alive():
                     raise WorkerDied("forward thread exited")
-            left = self._done_at.get(seq, 0) / 1e9 - time.monotonic()
-        if left > 0:
-            time.sleep(left)
+            end_ns = self._done_at.get(seq, 0)
+        sleep_until_ns(end_ns)
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
         if not self._pending:

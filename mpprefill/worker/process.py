@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import multiprocessing as mp
 import os
-import time
 from collections import deque
 from collections.abc import Iterator
 
@@ -19,7 +17,7 @@ from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig
 from mpprefill.model.loader import config_from_args
-from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied
+from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied, sleep_until_ns
 from mpprefill.worker.build import num_kv_slots, swa_slots
 from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.events import (
@@ -36,7 +34,6 @@ from mpprefill.worker.hooks import DeviceHooks
 from mpprefill.worker.messages import Done, Exit, Failed, Ready, Sample, Submit
 from mpprefill.worker.staging import make_staging, staging_specs
 
-logger = logging.getLogger(__name__)
 TAG = "mpp"
 START_TIMEOUT = 300.0
 
@@ -112,10 +109,7 @@ class ProcessWorker(Worker):
         return self.proc.pid
 
     def submit(self, inp: ForwardInput) -> None:
-        if len(self._pending) >= self.max_in_flight:
-            raise RuntimeError(f"more than {self.max_in_flight} forwards submitted")
-        if self._pending and self._pending[-1].delay_sample:
-            raise RuntimeError("submit before the deferred sample of the previous forward")
+        self._check_room(self._pending)
         slot = inp.seq % NUM_SLOTS
         with self._events():
             counts = self.staging.write(slot, inp.seq, inp.forward, inp.sampling, self.order)
@@ -131,7 +125,7 @@ class ProcessWorker(Worker):
         done = self._get(timeout)
         if done.seq != inp.seq:
             raise WorkerDied(f"forward process answered {done.seq}, expected {inp.seq}")
-        _sleep_until_ns(done.end_ns)  # the device's own finish time, where it knows it
+        sleep_until_ns(done.end_ns)  # the device's own finish time, where it knows it
         with self._events():
             self.order.before_result(forward_gen(done.seq), timeout)
         self._pending.popleft()
@@ -216,12 +210,6 @@ class ProcessWorker(Worker):
             self.close()
         for ch in (self.requests, self.replies):
             ipc.remove_ipc_endpoint(ch.endpoint)
-
-
-def _sleep_until_ns(t_ns: int) -> None:
-    left = t_ns / 1e9 - time.monotonic()
-    if left > 0:
-        time.sleep(left)
 
 
 def _specs(args: ServerArgs):

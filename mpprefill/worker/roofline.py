@@ -25,7 +25,6 @@ import math
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,14 +237,6 @@ def head_time_s(shape: ModelShape, gpu: GpuSpec, num_reqs: int) -> float:
     return max(busy, KERNELS_PER_HEAD * gpu.kernel_floor_s)
 
 
-def forward_time_s(
-    shape: ModelShape, gpu: GpuSpec, extend_lens: Sequence[int], prefix_lens: Sequence[int]
-) -> float:
-    """Seconds of a whole prefill forward: every layer, then the head."""
-    layer = layer_time_s(shape, gpu, extend_lens, prefix_lens)
-    return shape.num_layers * layer + head_time_s(shape, gpu, len(extend_lens))
-
-
 def _check_batch(extend_lens: Sequence[int], prefix_lens: Sequence[int]) -> None:
     if len(extend_lens) != len(prefix_lens):
         raise ValueError(f"{len(extend_lens)} extend lengths but {len(prefix_lens)} prefixes")
@@ -280,33 +271,25 @@ def _part_time_s(flops: float, flop_rate: float, nbytes: float, bandwidth: float
 class DeviceClock:
     """A virtual device queue: issued work runs back to back on `now`'s clock.
 
-    Each piece starts at max(now, end of the previous piece). The last `max_spans`
-    pieces are kept, tagged by an integer label, for `busy_between` and `spans`.
+    Each piece starts at max(now, end of the previous piece).
     """
 
     def __init__(
         self,
         now: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
-        max_spans: int = 100_000,
     ):
         self._now = now
         self._sleep = sleep
         self._lock = threading.Lock()
         self._busy_until = -math.inf
-        self._busy_s = 0.0
-        # NOTE: pieces never overlap and are appended in start order, so ends are sorted.
-        self._pieces: deque[tuple[int, float, float]] = deque(maxlen=max_spans)
 
-    def issue(self, duration_s: float, label: int = 0) -> float:
+    def issue(self, duration_s: float) -> float:
         """Queue `duration_s` of work; returns the time it finishes."""
         if duration_s < 0:
             raise ValueError(f"negative duration {duration_s}")
         with self._lock:
-            start = max(self._now(), self._busy_until)
-            self._busy_until = start + duration_s
-            self._busy_s += duration_s
-            self._pieces.append((label, start, self._busy_until))
+            self._busy_until = max(self._now(), self._busy_until) + duration_s
             return self._busy_until
 
     @property
@@ -315,32 +298,7 @@ class DeviceClock:
         with self._lock:
             return self._busy_until
 
-    @property
-    def busy_s(self) -> float:
-        """Device seconds issued since construction."""
-        with self._lock:
-            return self._busy_s
-
     def wait_until(self, t: float) -> None:
         """Sleep until `now` reaches `t`."""
         while (left := t - self._now()) > 0:
             self._sleep(left)
-
-    def busy_between(self, t0: float, t1: float) -> float:
-        """Busy seconds inside [t0, t1], over the pieces still kept."""
-        busy = 0.0
-        with self._lock:
-            for _, start, end in reversed(self._pieces):
-                if end <= t0:
-                    break
-                busy += max(0.0, min(end, t1) - max(start, t0))
-        return busy
-
-    def spans(self) -> list[tuple[int, float, float]]:
-        """(label, first start, last end) per label, in order of first start."""
-        merged: dict[int, tuple[float, float]] = {}
-        with self._lock:
-            for label, start, end in self._pieces:
-                first = merged.get(label, (start, end))[0]
-                merged[label] = (first, end)
-        return [(label, start, end) for label, (start, end) in merged.items()]

@@ -2,7 +2,7 @@
 
 It knows nothing of requests: tensors in, logits and tokens out. Where the forward's
 device work completes later than the call returns (the emulated accelerator), the output
-says when (`ready_at`); readers of its results or KV pages wait for that time.
+says when (`end_ns`); readers of its results or KV pages wait for that time.
 """
 
 from __future__ import annotations
@@ -22,17 +22,14 @@ T = TypeVar("T", ForwardBatch, SamplingBatchInfo)
 
 
 class RunOutput(NamedTuple):
+    """NOTE: ForwardResult's fields after `seq`, in its order (local workers splat it)."""
+
     next_token_ids: torch.Tensor | None  # [B] int64; None when sampling is deferred
     logits: torch.Tensor  # [B, vocab] float32, last position of each request
     forward_s: float  # host time of the call
     start_ns: int  # when the device began and finished this forward (clock_ns)
     end_ns: int
     device_s: float  # the device's busy time in it
-
-    @property
-    def ready_at(self) -> float:
-        """Monotonic seconds at which the results and KV writes are complete."""
-        return self.end_ns / 1e9
 
 
 class ForwardRunner:
@@ -44,7 +41,6 @@ class ForwardRunner:
         self.kv = kv
         self.device = device
         self.vocab_size = model.config.vocab_size
-        self.num_forwards = 0
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> RunOutput:
@@ -54,9 +50,8 @@ class ForwardRunner:
         if self.device is None:
             logits = self.model(fb, self.kv)
         else:
-            logits = self.device.forward(self.model, fb, self.kv, inp.seq)
+            logits = self.device.forward(self.model, fb, self.kv)
         tokens = None if inp.delay_sample else sample(logits, sampling)
-        self.num_forwards += 1
         t1 = clock_ns()
         tracer = get_tracer()
         if tracer.enabled:

@@ -113,7 +113,7 @@ class CudaIpcStaging(ShmStaging):
 
 
 def staging_class(plan: DevicePlan) -> type[ShmStaging]:
-    """The scheduler's staging for a plan (its `device` is `plan.slot_device`)."""
+    """The scheduler's staging for a plan (its `device`: where the slots live)."""
     return CudaIpcStaging if plan.staging == "cuda-ipc" else ShmStaging
 
 

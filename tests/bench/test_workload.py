@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpprefill.bench.workload import (
+    WorkloadParams,
+    _shared_prefix,
     arrival_times,
-    generated_shared_prefix,
     random_prompts,
     simulate_hit_rate,
     solve_for_hit_rate,
@@ -75,15 +76,23 @@ def test_solver_rejects_unreachable():
         solve_for_hit_rate(1.0, 100, 256)
 
 
-def test_generated_shared_prefix_closed_form_and_interleaving():
-    work = generated_shared_prefix(8, 4, 64, 16, page_size=16, seed=0)
+def shared_prefix(groups: int, per_group: int, system_len: int, question_len: int):
+    shape = dict(num_groups=groups, prompts_per_group=per_group, question_len=question_len)
+    params = WorkloadParams(
+        "shared-prefix", groups * per_group, system_prompt_len=system_len, **shape
+    )
+    return _shared_prefix([per_group] * groups, params)
+
+
+def test_shared_prefix_closed_form_and_interleaving():
+    work = shared_prefix(8, 4, 64, 16)
     assert work.expected_hit_rate == pytest.approx(3 / 4 * 64 / 80)
     assert work.to_dict()["num_groups"] == 8 and work.to_dict()["prompt_tokens"] == 32 * 80
     groups = [tuple(r.input_ids[:64]) for r in work.requests]
     assert len(set(groups)) == 8
     assert groups[:4] != [groups[0]] * 4 and len(set(groups[:8])) > 2  # shuffled
     # unaligned system prompt: only its whole pages are shared
-    odd = generated_shared_prefix(4, 4, 40, 8, page_size=16, seed=0)
+    odd = shared_prefix(4, 4, 40, 8)
     assert odd.expected_hit_rate == pytest.approx(3 / 4 * 32 / 48)
 
 

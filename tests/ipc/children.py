@@ -69,9 +69,9 @@ def slow_taker(endpoint: str, parent: int, delay: float) -> None:
 
 
 def event_setter(handle: ipc.TensorHandle, gen: int, delay: float) -> None:
-    table = ipc.ShmEventTable(ipc.open_handle(handle))
+    event = ipc.ShmEvent(ipc.open_handle(handle)[0:1])
     time.sleep(delay)
-    table[0].record(gen)
+    event.record(gen)
 
 
 def self_kill(endpoint: str, parent: int) -> None:

@@ -31,16 +31,10 @@ def test_get_timeout(endpoint):
     b = ipc.Channel(endpoint, bind=False)
     with pytest.raises(ipc.MailboxTimeout):
         a.get(timeout=0.05)
-    assert b.slot_free
     b.put(Note(3, "hi"), timeout=1)
-    assert not b.slot_free  # not taken yet
     assert a.poll(5.0)
     got = a.get(timeout=5)
     assert (got.seq, got.text, got.handle) == (3, "hi", None)
-    deadline = time.monotonic() + 5
-    while not b.slot_free and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert b.slot_free  # the ack arrived
     a.close()
     b.close()
 

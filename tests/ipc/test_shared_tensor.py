@@ -115,13 +115,14 @@ def test_segments_are_private(prefix):
 
 def test_shm_event_across_processes(ctx, prefix, procs):
     with ipc.SharedTensor.create((2,), torch.int64, prefix) as st:
-        table = ipc.ShmEventTable(st.tensor)
+        first = ipc.ShmEvent(st.tensor[0:1])
+        second = ipc.ShmEvent(st.tensor[1:2])
         p = ctx.Process(target=children.event_setter, args=(st.handle, 5, 0.2))
         p.start()
         procs.append(p)
-        assert not table[0].query(5)
-        table[0].wait(5, timeout=30)
-        assert table[0].value() == 5 and table[1].value() == 0
+        assert not first.query(5)
+        first.wait(5, timeout=30)
+        assert first.value() == 5 and second.value() == 0
         with pytest.raises(ipc.EventTimeout):
-            table[1].wait(1, timeout=0.05)
+            second.wait(1, timeout=0.05)
         p.join(30)

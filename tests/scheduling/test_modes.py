@@ -11,6 +11,7 @@ import torch
 
 from mpprefill.config import FORWARD_MODES
 from mpprefill.engine import PrefillEngine
+from mpprefill.sampling import PACKED_FIELDS
 from mpprefill.scheduling import batch as batch_mod
 from mpprefill.scheduling.invariants import InvariantError
 from mpprefill.trace.tracer import INSTANT, Tracer, set_tracer
@@ -148,7 +149,9 @@ def test_snapshot_isolated_from_live_batch(mode, reference, monkeypatch):
         def submit_then_mutate(snap):
             submit(snap)
             batch = live[-1]
-            batch.sampling_info.filter([])  # admission-style in-place filter
+            info = batch.sampling_info  # rebound in place: the snapshot's copy keeps its rows
+            for name in PACKED_FIELDS:
+                setattr(info, name, getattr(info, name)[:0])
             batch.forward, batch.reqs, batch.fill_lens = None, [], []
 
         s.submit = submit_then_mutate

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from ipc.cuda import CudaGenEvent, HostFencedEvent
+from ipc.cuda import HostFencedEvent
 from ipc.events import EventAbandoned, EventTimeout, ShmEvent
 from mpprefill.config import ServerArgs
 from mpprefill.engine import PrefillEngine
@@ -50,24 +50,22 @@ def test_plan_follows_device_and_staging_flags():
         ServerArgs(staging="nvlink")
     with pytest.raises(ValueError):
         DevicePlan("cpu", "cuda-ipc")
-    assert [PLANS[k].slot_device for k in PLANS] == ["cpu", "cpu", "cuda"]
-    assert [PLANS[k].scheduler_uses_cuda for k in PLANS] == [False, False, True]
 
 
 @pytest.mark.parametrize(
     "plan, scheduler, worker",
     [
         # (recorded by the scheduler, recorded by the worker) as each side holds them
-        ("cpu", (ShmEvent, ShmEvent), (ShmEvent, ShmEvent)),
-        ("pinned", (ShmEvent, ShmEvent), (ShmEvent, HostFencedEvent)),
-        ("cuda-ipc", (CudaGenEvent, CudaGenEvent), (CudaGenEvent, CudaGenEvent)),
+        ("cpu", ("shm", "shm"), ("shm", "shm")),
+        ("pinned", ("shm", "shm"), ("shm", "fenced")),
+        ("cuda-ipc", ("cuda", "cuda"), ("cuda", "cuda")),
     ],
 )
-def test_event_classes_per_plan(plan, scheduler, worker):
+def test_event_kinds_per_plan(plan, scheduler, worker):
     p = PLANS[plan]
     by = ("scheduler", "worker")
-    assert tuple(p.event_class("scheduler", r) for r in by) == scheduler
-    assert tuple(p.event_class("worker", r) for r in by) == worker
+    assert tuple(p.event_kind("scheduler", r) for r in by) == scheduler
+    assert tuple(p.event_kind("worker", r) for r in by) == worker
 
 
 @pytest.mark.parametrize("plan", ["cpu", "pinned"])
@@ -88,7 +86,7 @@ def test_staging_and_stream_selection():
     assert staging_class(PLANS["pinned"]) is ShmStaging  # the worker page-locks it
     assert staging_class(PLANS["cuda-ipc"]) is CudaIpcStaging
     assert CudaIpcStaging.non_blocking and not ShmStaging.non_blocking
-    assert all(staging_class(p).device == p.slot_device for p in PLANS.values())
+    assert [staging_class(p).device for p in PLANS.values()] == ["cpu", "cpu", "cuda"]
     specs = staging_specs(64, 2, 128)
     staging = make_staging(specs, "mpptest-sel", PLANS["cpu"])
     try:

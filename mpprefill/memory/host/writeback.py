@@ -13,15 +13,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+MAX_SPARES = 4
+
 
 class WritebackBuffers:
-    def __init__(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, spares: int = 4
-    ) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
         self.dims = (num_layers, num_kv_heads, head_dim)
         self.slot_numel = 2 * num_layers * num_kv_heads * head_dim
         self.dtype = dtype
-        self.max_spares = spares
         self._spares: list[Tensor] = []
 
     def take(self, num_slots: int, device: torch.device) -> Tensor:
@@ -40,9 +39,9 @@ class WritebackBuffers:
         return buf[: num_slots * self.slot_numel].view(2, layers, num_slots, heads, dim)
 
     def give(self, buf: Tensor) -> None:
-        """Back to the spares; the smallest spare is dropped beyond max_spares."""
+        """Back to the spares; the smallest spare is dropped beyond MAX_SPARES."""
         self._spares.append(buf)
-        if len(self._spares) > self.max_spares:
+        if len(self._spares) > MAX_SPARES:
             sizes = [b.numel() for b in self._spares]
             self._spares.pop(sizes.index(min(sizes)))
 
