@@ -62,9 +62,12 @@ def plot_regime_map(results: list[dict], path: str) -> None:
             pa = {r["mode"]: r for r in res["runs"]}.get("proc-ahead")
             tag = "\nlaunch-bound" if pa is not None and is_launch_bound(pa) else ""
             ax.text(j, i, f"{values[i][j]:.2f}x{tag}", ha="center", va="center", fontsize=9)
-    device = results[0]["runs"][0].get("device", "emulated") if results else "emulated"
-    gpu = device.split("(")[-1].split(",")[0] if "(" in device else device
-    ax.set_title(f"proc-ahead / thread-ahead uncached ITPS\n(emulated {gpu}, hit rate 0.8)")
+    server = results[0]["config"]["server"]
+    transfer = server["disaggregation_transfer_backend"]
+    ax.set_title(
+        "proc-ahead / thread-ahead uncached ITPS\n"
+        f"(emulated {server['emulate_gpu']}, hit rate 0.8, {transfer} transfer)"
+    )
     fig.colorbar(image, ax=ax, shrink=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

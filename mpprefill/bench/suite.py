@@ -78,6 +78,11 @@ def run_bench(
     return result
 
 
+def _gap(run: dict) -> str:
+    """The median hand-off gap; "-" where no batch was ready before the forward ended."""
+    return f"{run['handoff_gap_ms']:.2f}m" if run.get("handoff_batches") else "-"
+
+
 def _median_run(trials: list[dict]) -> dict:
     """The run with the median uncached ITPS, plus every trial's figure."""
     ordered = sorted(trials, key=lambda r: r["uncached_itps"])
@@ -124,7 +129,7 @@ def format_table(result: dict) -> str:
             f"{r['ttft_ms']['p50']:7.0f}/{r['ttft_ms']['p99']:<8.0f} "
             f"{r['num_batches']:7d} {r['t_sched_ms']:7.2f}m {r['t_issue_ms']:7.2f}m "
             f"{r['t_device_ms']:7.2f}m {r['device_busy_frac']:8.2f} "
-            f"{r['handoff_gap_ms']:6.2f}m {'ok' if r['leaks']['ok'] else 'LEAK':>5}"
+            f"{_gap(r):>7} {'ok' if r['leaks']['ok'] else 'LEAK':>5}"
         )
     lines.append(
         f"forward bound ({result['forward_bound']['replayed_mode']} batches replayed "
@@ -255,7 +260,7 @@ def format_sweep(results: list[dict]) -> str:
             lines.append(
                 f"{res['config']['label']:>20} {r['mode']:>12} {r['uncached_itps']:13,.0f} "
                 f"{r['t_issue_ms']:8.2f} {r['t_device_ms']:8.2f} {r['t_sched_ms']:8.2f} "
-                f"{r['device_busy_frac']:5.2f} {r['handoff_gap_ms']:6.2f} {_rel(pa, r):>7}"
+                f"{r['device_busy_frac']:5.2f} {_gap(r):>6} {_rel(pa, r):>7}"
             )
     return "\n".join(lines)
 

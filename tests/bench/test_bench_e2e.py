@@ -14,7 +14,9 @@ pytestmark = pytest.mark.timeout(400)
 
 RUN_FIELDS = {"mode", "uncached_itps", "total_itps", "cache_hit_rate", "num_requests",
               "num_finished", "num_failed", "duration_s", "ttft_ms", "worker_busy_frac",
-              "num_batches", "mailbox_bytes_per_batch", "first_tokens_sha256", "leaks"}
+              "num_batches", "mailbox_bytes_per_batch", "first_tokens_sha256", "leaks",
+              "device", "t_sched_ms", "t_issue_ms", "t_device_ms", "device_busy_frac",
+              "handoff_gap_ms"}
 
 
 def _mpprefill(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -45,6 +47,22 @@ def test_bench_json_has_the_contract_fields_and_adds_up(tmp_path):
     assert normal["mailbox_bytes_per_batch"]["max"] == 0  # no process boundary
     assert 0 < proc["mailbox_bytes_per_batch"]["max"] < 4096
     assert "proc-ahead" in out.stdout and "forward bound" in out.stdout
+
+
+def test_emulated_sweep_point_labels_its_device_and_times_the_device(tmp_path):
+    path = tmp_path / "bench.json"
+    out = _mpprefill("bench", "--device", "emulated", "--emulate-model", "Llama-3.1-8B",
+                     "--modes", "thread-ahead,proc-ahead", "--num-requests", "16",
+                     "--prompt-len", "256", "--chunked-prefill-size", "128", "--json", str(path))
+    result = json.loads(path.read_text())
+    assert "device: emulated (h200, Llama-3.1-8B)" in out.stdout
+    for run in result["runs"]:
+        assert run["device"] == "emulated (h200, Llama-3.1-8B)"
+        assert run["num_failed"] == 0 and run["leaks"]["ok"]
+        assert run["t_device_ms"] > 0 and 0 < run["device_busy_frac"] <= 1
+        assert run["handoff_batches"] > 0 and run["handoff_gap_ms"] >= 0
+    thread, proc = result["runs"]
+    assert thread["first_tokens_sha256"] == proc["first_tokens_sha256"]
 
 
 def test_profile_traces_both_processes_and_reports_overlap(tmp_path):
