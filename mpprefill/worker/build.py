@@ -30,11 +30,12 @@ def worker_model_config(args: ServerArgs) -> ModelConfig:
     return config_from_args(args)
 
 
-def worker_model(args: ServerArgs, device: str) -> LlamaForCausalLM:
+def worker_model(args: ServerArgs, config: ModelConfig, device: str) -> LlamaForCausalLM:
+    """The model of `worker_model_config(args)` (`config`), on `device`."""
     if args.device == "emulated":
         from mpprefill.worker.emulated import host_model
 
-        return host_model(worker_model_config(args), args.random_seed)
+        return host_model(config, args.random_seed)
     return model_from_args(args, device)
 
 
@@ -47,8 +48,14 @@ def emulated_device(args: ServerArgs):
     return EmulatedDevice.of(args.emulate_model, args.emulate_gpu)
 
 
-def build_runner(args: ServerArgs, device: str, kv_buffer: torch.Tensor | None = None):
-    """Model and KV pool on `device`; the KV pool may live in a given (shared) buffer."""
-    model = worker_model(args, device)
+def build_runner(
+    args: ServerArgs,
+    device: str,
+    kv_buffer: torch.Tensor | None = None,
+    config: ModelConfig | None = None,
+) -> ForwardRunner:
+    """Model and KV pool on `device`; the KV pool may live in a given (shared) buffer.
+    `config`: `worker_model_config(args)` where the caller has it already."""
+    model = worker_model(args, config or worker_model_config(args), device)
     kv = KVCache.for_model(model.config, num_kv_slots(args), device, kv_buffer, swa_slots(args))
     return ForwardRunner(model, kv, emulated_device(args))

@@ -268,7 +268,7 @@ def _runner(args: ServerArgs, plan: DevicePlan, prefix: str):
     num_slots = num_kv_slots(args)
     shape = KVCache.model_storage_shape(cfg, num_slots, swa_slots(args))
     kv_shared = ipc.SharedTensor.create(shape, cfg.torch_dtype, prefix, plan.device)
-    return build_runner(args, plan.device, kv_shared.tensor), kv_shared
+    return build_runner(args, plan.device, kv_shared.tensor, cfg), kv_shared
 
 
 def _stream(runner: ForwardRunner, plan: DevicePlan, hooks: DeviceHooks) -> HostStream:
