@@ -3,10 +3,9 @@
 Host side: the worker runs the model's own forward code on the CPU, with the emulated
 model's layer count at a tiny width, so each forward issues the Python and torch calls
 of the real code path, layer by layer and request by request. It computes only the last
-`KEEP_TOKENS` new tokens of each request (attending among themselves), because exact
-attention over long prefixes at 8k-token chunks would cost the CPU far more than the
-dispatch it stands for; the modules, the Python path and the number of torch calls stay
-those of the full batch.
+new token of each request (attending to itself), because exact attention over long
+prefixes at 8k-token chunks would cost the CPU far more than the dispatch it stands for;
+the modules, the Python path and the number of torch calls stay those of the full batch.
 
 Device side: a clock (`roofline.DeviceClock`). Each layer's device time comes from a
 roofline of the emulated model's real dimensions at the batch's real token counts and
@@ -16,9 +15,11 @@ its last piece. Events recorded on the stream fire at that time, so collect, the
 fence and the WAR barrier see the forward as they would see a GPU's.
 
 What still holds in this mode: the request lifecycle, chunk accounting, cache and pool
-invariants, and equal first tokens across modes (a request's first token depends only on
-its own last tokens). What does not: the logits and the KV pages are not the model's
-(pages of tokens it skips are never written), so `--verify` on the decode side fails.
+invariants, and equal first tokens across modes: a request's first token is a function of
+its last token and that token's position alone, whatever the chunking, the batch and the
+prefix hits (which differ between modes and runs). What does not: the logits and the KV
+pages are not the model's (pages of tokens it skips are never written), so `--verify` on
+the decode side fails.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ from mpprefill.worker.roofline import (
     resolve_shape,
 )
 
-KEEP_TOKENS = 8  # new tokens per request the host computes
+# New tokens per request the host computes. One, so that a request's first token does not
+# depend on how many of its last tokens its last chunk holds (a prefix hit may leave it 1).
+KEEP_TOKENS = 1
 # GQA like the real shapes, at a width whose KV pool stays small (1 KiB per token per
 # 16 layers) so that pools of a million tokens fit in shared memory.
 HOST_WIDTH = dict(

@@ -111,6 +111,21 @@ def test_every_mode_runs_on_the_emulated_device(mode, emulated_reference):
     assert m.device_s > 0 and m.num_batches > 0
 
 
+def test_first_token_does_not_depend_on_prefix_hits_or_chunking():
+    """A shared prefix cached or not, one chunk or chunks of 16: the last chunk holds 67
+    tokens in one run and 3 in the other, and the first tokens agree."""
+    shared = [(5 * j) % 90 + 1 for j in range(64)]
+    prompts = [shared + [7 + i, 8 + i, 9 + i] for i in range(4)]
+    kw = dict(device="emulated", emulate_model="Qwen2.5-0.5B", forward_mode="normal")
+    with PrefillEngine(chunked_prefill_size=512, disable_radix_cache=True, **kw) as eng:
+        together = eng.prefill(prompts)  # no hits, one chunk each
+    with PrefillEngine(chunked_prefill_size=16, **kw) as eng:
+        apart = [eng.prefill([p])[0] for p in prompts]  # hits after the first
+    assert [o.cached_tokens for o in together] == [0, 0, 0, 0]
+    assert [o.cached_tokens for o in apart] == [0, 64, 64, 64]
+    assert [o.first_token for o in apart] == [o.first_token for o in together]
+
+
 def test_device_label_and_flags():
     a = ServerArgs(device="emulated", emulate_model="Llama-3.1-8B", emulate_gpu="b200")
     assert a.device_label == "emulated (b200, Llama-3.1-8B)"
