@@ -84,13 +84,13 @@ class PrefillEngine:
 
         def until() -> bool:
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"{len(s.live)} requests unfinished after {timeout}s")
-            return not s.live and s.forwards_in_flight == 0
+                raise TimeoutError(f"{len(s.reqs.live)} requests unfinished after {timeout}s")
+            return not s.reqs.live and s.forwards_in_flight == 0
 
         try:
             self._loop(s, until)
         except WorkerDied as e:
-            s.fail_all(str(e))
+            s.reqs.fail_all(str(e))
             self.close()
             raise
         if self.args.check_invariants:

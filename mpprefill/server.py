@@ -110,22 +110,26 @@ class PrefillServer:
         if req is not None:  # arrived in this same poll: never reached the scheduler
             req.error = "aborted by client"
             self._reply(req)
-        elif not self.scheduler.abort(rid, "aborted by client"):
+        elif not self.scheduler.reqs.abort(rid, "aborted by client"):
             self._send(ident, protocol.error_reply(rid, "unknown rid"))
 
     def _admit(self, ident: bytes, msg: protocol.Generate) -> None:
-        s = self.scheduler
+        reqs = self.scheduler.reqs
         if self._closing is not None:
             self._send(ident, protocol.error_reply(msg.rid, self._closing))
-        elif msg.rid in s.live or msg.rid in self._owner:
+        elif msg.rid in reqs.live or msg.rid in self._owner:
             error = "duplicate rid while the first is live"
             self._send(ident, protocol.error_reply(msg.rid, error))
-        elif len(s.live) + len(s.incoming) + len(self._arriving) >= self.args.max_queued_requests:
+        elif self._queued() >= self.args.max_queued_requests:
             self._send(ident, protocol.error_reply(msg.rid, "overloaded"))
         else:
             self._owner[msg.rid] = ident
             req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.bootstrap_room)
             self._arriving[msg.rid] = req
+
+    def _queued(self) -> int:
+        reqs = self.scheduler.reqs
+        return len(reqs.live) + len(reqs.incoming) + len(self._arriving)
 
     def _reply(self, req: Req) -> None:
         ident = self._owner.pop(req.rid, None)
@@ -197,7 +201,7 @@ class PrefillServer:
             if n == 0 and not self.sock.poll(50):
                 break
             max_frames -= max(n, 1)
-        self.scheduler.fail_all(reason)
+        self.scheduler.reqs.fail_all(reason)
 
     def _on_signal(self, signum: int) -> None:
         logger.info("signal %d: shutting down", signum)

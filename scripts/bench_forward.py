@@ -66,16 +66,16 @@ def admission_us_per_req(
         )
         for i in range(n_waiting)
     ]
-    s.waiting.extend(reqs)
+    s.reqs.waiting.extend(reqs)
     spent = 0.0
-    while s.waiting:
+    while s.reqs.waiting:
         t0 = time.perf_counter()
         batch = s.get_next_batch_to_run()
         spent += time.perf_counter() - t0
         if batch is None:
             raise RuntimeError("admission stalled")
         for r in batch.reqs:  # as if finished: rows and KV go back (not timed)
-            s._release(r)
+            s.reqs.release_finished(r)
     return spent / n_waiting * 1e6
 
 

@@ -120,7 +120,7 @@ class Iterations:
 
     def _read(self) -> Mark:
         s = self.s
-        depth = len(s.waiting) + len(s.bootstrap_queue)
+        depth = len(s.reqs.waiting) + len(s.reqs.bootstrap_queue)
         batches = len(s.metrics.batch_shapes)
         return Mark(time.perf_counter(), dict(s.metrics.phase_s), batches, depth)
 
@@ -131,7 +131,7 @@ class Iterations:
         self._mark = mark
         if self.max_batches is not None and len(self.rows) >= self.max_batches:
             return True
-        return not self.s.live and self.s.forwards_in_flight == 0
+        return not self.s.reqs.live and self.s.forwards_in_flight == 0
 
     def _row(self, before: Mark, after: Mark) -> BatchRow:
         spent = {k: v - before.phase_s.get(k, 0.0) for k, v in after.phase_s.items()}
@@ -155,16 +155,16 @@ def run_requests(eng: PrefillEngine, reqs: list[Req], max_batches: int | None = 
         s.add_request(r)
     log = Iterations(s, max_batches)
     LOOPS[eng.mode](s, log)
-    if s.live:
+    if s.reqs.live:
         drain(eng)
     return log
 
 
 def drain(eng: PrefillEngine) -> None:
     s = eng.scheduler
-    for r in list(s.waiting):  # in queue order: each abort finds its request first in line
-        s.abort(r.rid, "bench: measured enough batches")
-    LOOPS[eng.mode](s, lambda: not s.live and s.forwards_in_flight == 0)
+    for r in list(s.reqs.waiting):  # in queue order: each abort finds its request first in line
+        s.reqs.abort(r.rid, "bench: measured enough batches")
+    LOOPS[eng.mode](s, lambda: not s.reqs.live and s.forwards_in_flight == 0)
 
 
 # ---- steps ------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ import torch
 def test_contract_example():
     from mpprefill import PrefillEngine
 
-    with PrefillEngine(model_path=None, forward_mode="proc-ahead", page_size=16,
-                       chunked_prefill_size=512) as eng:
+    with PrefillEngine(
+        model_path=None, forward_mode="proc-ahead", page_size=16, chunked_prefill_size=512
+    ) as eng:
         outs = eng.prefill([[1, 2, 3], [1, 2, 4, 5]], return_logits=True)
     assert len(outs) == 2
     for o, n in zip(outs, (3, 4)):

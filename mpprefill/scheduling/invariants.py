@@ -31,12 +31,13 @@ def check_drained(s: Scheduler, flush: bool = False) -> dict[str, int]:
 
 
 def _check_idle(s: Scheduler) -> None:
-    _expect(not s.live, f"{len(s.live)} requests still live")
+    reqs = s.reqs
+    _expect(not reqs.live, f"{len(reqs.live)} requests still live")
     _expect(s.forwards_in_flight == 0, "a forward is still in flight")
-    _expect(s.chunked_req is None, "a chunked request is pending")
-    _expect(not s.pending_prefix_keys, "prefix keys still marked in flight")
+    _expect(reqs.chunked_req is None, "a chunked request is pending")
+    _expect(not reqs.pending_prefix_keys, "prefix keys still marked in flight")
     for q in ("incoming", "bootstrap_queue", "waiting", "inflight_queue"):
-        _expect(not getattr(s, q), f"{q} is not empty")
+        _expect(not getattr(reqs, q), f"{q} is not empty")
 
 
 def _check_pools(allocator: PagedTokenAllocator, tree: RadixCache) -> None:

@@ -30,7 +30,7 @@ def event_loop_normal(s: Scheduler, until: Until) -> None:
             snap, result = s.run_batch(batch)
             result = s.sample_if_needed(snap, result)
             s.process_batch_result(batch, result)
-        s.process_inflight_queue()
+        s.reqs.process_inflight_queue()
         s.idle(batch is not None)
 
 
@@ -47,7 +47,7 @@ def event_loop_overlap(s: Scheduler, until: Until) -> None:
         if last_batch is not None:
             prev_batch, _, prev_result = result_queue.popleft()
             s.process_batch_result(prev_batch, prev_result)
-        s.process_inflight_queue()
+        s.reqs.process_inflight_queue()
         if batch is not None:
             entry = result_queue[-1]
             entry[2] = s.sample_if_needed(entry[1], entry[2])
@@ -82,7 +82,7 @@ def event_loop_ahead(s: Scheduler, until: Until) -> None:
             prev_batch = inflight.batch
         if prev_result is not None:
             s.process_batch_result(prev_batch, prev_result)
-        s.process_inflight_queue()
+        s.reqs.process_inflight_queue()
         inflight = snap
         s.idle(batch is not None or inflight is not None)
 

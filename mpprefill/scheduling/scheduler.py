@@ -1,20 +1,21 @@
 """The prefill scheduler: ingest, bootstrap, admission, batch build, forward hand-off.
 
-Result processing, KV sends and release live in `processing.py`; the six loops
-that order these steps live in `loops.py`. The front (a socket server or the offline
-engine) hands requests in through `recv_requests` and gets them back through
-`on_finish`; the worker sees tensors only (`worker.api`).
+Where each request stands and how it leaves (queues, transfers in flight, finish, abort,
+release) is `lifecycle.py`; the six loops that order these steps live in `loops.py`. The
+front (a socket server or the offline engine) hands requests in through `recv_requests`
+and gets them back through `on_finish`; the worker sees tensors only (`worker.api`).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from mpprefill.config import ServerArgs
+from mpprefill.disagg.planes import window_swa_pages
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.req_to_token import ReqToTokenPool
@@ -24,20 +25,23 @@ from mpprefill.scheduling.adder import AddResult, PrefillAdder
 from mpprefill.scheduling.batch import ForwardSnapshot, ScheduleBatch, build_forward_batch
 from mpprefill.scheduling.host_tier import make_host_tier
 from mpprefill.scheduling.kv_pools import add_swa_slots, make_kv_pools, prompt_fits, reclaim
+from mpprefill.scheduling.lifecycle import Lifecycle
 from mpprefill.scheduling.metrics import SchedulerMetrics
-from mpprefill.scheduling.processing import ResultProcessing
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.trace.tracer import clock_ns, get_tracer
 from mpprefill.worker.api import ForwardResult, Worker
 
+if TYPE_CHECKING:
+    from mpprefill.disagg.transfer import TransferBackend
 
-class Scheduler(ResultProcessing):
+
+class Scheduler:
     def __init__(
         self,
         args: ServerArgs,
         model_config: ModelConfig,
         worker: Worker,
-        transfer,
+        transfer: TransferBackend,
         on_finish: Callable[[Req], None] | None = None,
         recv_requests: Callable[[], list[Req]] | None = None,
         wait_for_requests: Callable[[float], None] = time.sleep,
@@ -52,18 +56,13 @@ class Scheduler(ResultProcessing):
         self.allocator, self.tree = make_kv_pools(args, model_config, self.req_pool)
         self.worker = worker
         self.transfer = transfer
-        self.on_finish = on_finish or (lambda req: None)
-        self.incoming: deque[Req] = deque()
-        self.bootstrap_queue: list[Req] = []
-        self.waiting: deque[Req] = deque()
-        self.inflight_queue: list[Req] = []
-        self.chunked_req: Req | None = None
-        self.pending_prefix_keys: dict[tuple, int] = {}  # first uncached pages in flight
-        self.live: dict[str, Req] = {}
         self.batch_seq = 0
         self.forwards_in_flight = 0
         self._mailbox_mark = worker.mailbox_bytes
         self.metrics = SchedulerMetrics()
+        self.reqs = Lifecycle(
+            self.tree, self.allocator, self.req_pool, self.metrics, on_finish or (lambda r: None)
+        )
         self.host_tier = make_host_tier(args, self.tree, self.allocator, worker, self.metrics)
         self.recv_requests = recv_requests or list
         self.wait_for_requests = wait_for_requests
@@ -91,50 +90,59 @@ class Scheduler(ResultProcessing):
         self.validate(req)
         req.sender = self.transfer.create_sender(req)
         req.status = ReqStatus.BOOTSTRAPPING
-        self.live[req.rid] = req
-        self.bootstrap_queue.append(req)
+        self.reqs.live[req.rid] = req
+        self.reqs.bootstrap_queue.append(req)
 
     def idle(self, busy: bool) -> None:
         """Between iterations: return at once when busy, else wait briefly for requests."""
-        if busy or self.incoming:
+        if busy or self.reqs.incoming:
             return
-        self.wait_for_requests(0.0005 if self.live else 0.02)
+        self.wait_for_requests(0.0005 if self.reqs.live else 0.02)
 
     # ---- loop steps ----------------------------------------------------------------------
 
+    def retire_host_store_writes(self) -> None:
+        """Finished host-store write-backs become matchable; runs before ingest."""
+        if self.host_tier is not None:
+            t0 = clock_ns()
+            self.host_tier.retire()
+            self.metrics.add_phase("host-retire", t0)
+
     def ingest_requests(self) -> None:
-        for req in self.recv_requests():
-            self.incoming.append(req)
-        while self.incoming:
-            req = self.incoming.popleft()
+        incoming = self.reqs.incoming
+        incoming.extend(self.recv_requests())
+        while incoming:
+            req = incoming.popleft()
             try:
                 self.add_request(req)
             except ValueError as e:
-                self.fail(req, str(e), release=False)
+                self.reqs.fail(req, str(e), release=False)
 
     def pop_bootstrapped(self) -> None:
         keep, now = [], time.monotonic()
-        for req in self.bootstrap_queue:
+        for req in self.reqs.bootstrap_queue:
             state = req.sender.poll()
             if state == KVPoll.WaitingForInput:
                 req.start_send_idx = req.sender.pop_decode_prefix_len()
                 req.sender.init(self._num_pages(req.prompt_len - req.start_send_idx))
                 req.status = ReqStatus.WAITING
-                self.waiting.append(req)
+                self.reqs.waiting.append(req)
             elif state == KVPoll.Failed:
-                self.fail(req, f"bootstrap failed: {req.sender.failure_reason()}", release=False)
+                reason = f"bootstrap failed: {req.sender.failure_reason()}"
+                self.reqs.fail(req, reason, release=False)
             elif now - req.arrival_time > self.args.bootstrap_timeout:
                 req.sender.abort()
-                self.fail(req, "bootstrap timed out", release=False)
+                self.reqs.fail(req, "bootstrap timed out", release=False)
             else:
                 keep.append(req)
-        self.bootstrap_queue = keep
+        self.reqs.bootstrap_queue = keep
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         t0 = clock_ns()
-        chunked = self.chunked_req
+        reqs = self.reqs
+        chunked = reqs.chunked_req
         if chunked is not None and chunked.finished:  # aborted; released when it returns
-            chunked = self.chunked_req = None
+            chunked = reqs.chunked_req = None
         if chunked is not None:
             self.tree.cache_unfinished_req(chunked)  # its previous chunk joins the tree
         adder = PrefillAdder(
@@ -145,7 +153,7 @@ class Scheduler(ResultProcessing):
             None if self.args.chunked_prefill_size == -1 else self.args.chunked_prefill_size,
             self.args.max_running_requests,
             self.req_pool.available_size(),
-            self.pending_prefix_keys,
+            reqs.pending_prefix_keys,
             self.host_tier,
         )
         if chunked is not None:
@@ -153,27 +161,28 @@ class Scheduler(ResultProcessing):
         self._admit_waiting(adder)
         if chunked is not None and chunked not in adder.can_run:
             adder.new_chunked_req = chunked  # no room this time; it stays first in line
-        self.chunked_req = adder.new_chunked_req
+        reqs.chunked_req = adder.new_chunked_req
         batch = self._build_batch(adder.can_run) if adder.can_run else None
         tracer = get_tracer()
         if tracer.enabled:
-            tracer.instant("queue", waiting=len(self.waiting) + len(self.bootstrap_queue))
+            tracer.instant("queue", waiting=len(reqs.waiting) + len(reqs.bootstrap_queue))
         self.metrics.add_phase("A", t0, batch.seq if batch is not None else -1)
         if batch is not None:
             self.metrics.on_built(batch.seq)
         return batch
 
     def _admit_waiting(self, adder: PrefillAdder) -> None:
-        kept: deque[Req] = deque()
-        while self.waiting:
-            req = self.waiting.popleft()
+        waiting = self.reqs.waiting
+        kept: list[Req] = []
+        while waiting:
+            req = waiting.popleft()
             verdict = adder.add_one_req(req)
             if verdict == AddResult.FULL:
-                self.waiting.appendleft(req)
+                waiting.appendleft(req)
                 break
             if verdict == AddResult.DEFER:
                 kept.append(req)
-        self.waiting.extendleft(reversed(kept))
+        waiting.extendleft(reversed(kept))
 
     def _build_batch(self, reqs: list[Req]) -> ScheduleBatch:
         prefix_lens = [r.prefix_len for r in reqs]
@@ -240,9 +249,17 @@ class Scheduler(ResultProcessing):
         return snap
 
     def send_cached_prefixes(self, snap: ForwardSnapshot) -> None:
-        """Early send, on the scheduler thread before the batch's submit, in every mode."""
+        """Early send, on the scheduler thread before the batch's submit, in every mode:
+        KV already in the cache goes out before the suffix is computed.
+
+        NOTE: a page of the prefix may still be written by a forward in flight (the
+        chunked request's previous chunk); the transfer waits on the KV write fence first.
+        """
         for req in snap.batch.reqs:
-            self.maybe_send_cached_prefix_chunk(req)
+            if req.prefix_len > req.start_send_idx:
+                t0 = clock_ns()
+                self.send_kv_chunk(req, last=False, end_idx=req.prefix_len)
+                self.metrics.add_phase("early-send", t0)
 
     def submit(self, snap: ForwardSnapshot) -> None:
         t0 = clock_ns()
@@ -278,3 +295,57 @@ class Scheduler(ResultProcessing):
         tokens = self.worker.sample(snap.input)
         self.metrics.add_phase("S", t0, snap.seq)
         return result._replace(next_token_ids=tokens)
+
+    # ---- results and KV sends ------------------------------------------------------------
+
+    def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
+        t0 = clock_ns()
+        result.wait_ready()
+        self.metrics.add_phase("device-wait", t0, batch.seq)
+        t0 = clock_ns()
+        tokens = result.next_token_ids.tolist()
+        reqs = self.reqs
+        finished = []
+        for i, req in enumerate(batch.reqs):
+            reqs.release_prefix_key(req)
+            if req.inflight_middle_chunks > 0:
+                req.inflight_middle_chunks -= 1
+                if req.finished:
+                    reqs.release_aborted(req)
+                else:
+                    self.send_kv_chunk(req, last=False, end_idx=batch.fill_lens[i])
+                continue
+            if req.finished:  # aborted while its final chunk ran
+                reqs.release_aborted(req)
+                continue
+            req.output_ids.append(tokens[i])
+            if req.return_logits:
+                req.logits = result.logits[i].float().clone()
+            self.tree.cache_unfinished_req(req)
+            finished.append(req)
+            req.status = ReqStatus.TRANSFERRING
+            reqs.inflight_queue.append(req)
+            self.send_kv_chunk(req, last=True)
+        if finished and self.host_tier is not None:
+            self.host_tier.write_back(finished)
+        self.metrics.add_phase("P", t0, batch.seq)
+
+    def send_kv_chunk(self, req: Req, last: bool, end_idx: int | None = None) -> None:
+        """Send KV [start_send_idx, end) of `req`; a non-final send stops on a page boundary."""
+        start = req.start_send_idx
+        end = len(req.fill_ids) if end_idx is None else end_idx
+        if not last:
+            end -= end % self.page_size
+        if end < start or (end == start and not last):
+            return
+        slots = self.req_pool.req_to_token[req.req_pool_idx, start:end]
+        page_indices = slots[:: self.page_size] // self.page_size
+        if not req.sender.should_send_kv_chunk(len(page_indices), last):
+            return
+        req.start_send_idx = end
+        first = req.output_ids[0] if last else None
+        window = None
+        if last and self.allocator.has_swa_pool:
+            row = self.req_pool.req_to_token[req.req_pool_idx]
+            window = window_swa_pages(self.allocator, row, end, self.model_config.sliding_window)
+        req.sender.send(page_indices, last=last, first_token=first, state_indices=window)

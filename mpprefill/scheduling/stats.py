@@ -15,10 +15,10 @@ if TYPE_CHECKING:
 def scheduler_stats(s: Scheduler) -> dict:
     return {
         "queues": {
-            "bootstrap": len(s.bootstrap_queue),
-            "waiting": len(s.waiting),
-            "inflight": len(s.inflight_queue),
-            "live": len(s.live),
+            "bootstrap": len(s.reqs.bootstrap_queue),
+            "waiting": len(s.reqs.waiting),
+            "inflight": len(s.reqs.inflight_queue),
+            "live": len(s.reqs.live),
         },
         "kv": kv_stats(s.allocator, s.tree),
         "req_slots": {"free": s.req_pool.available_size(), "total": s.req_pool.size},
@@ -29,7 +29,7 @@ def scheduler_stats(s: Scheduler) -> dict:
 
 def _invariants(s: Scheduler) -> dict:
     """The drained-state checks, whenever the scheduler is idle."""
-    if not s.args.check_invariants or s.live or s.forwards_in_flight:
+    if not s.args.check_invariants or s.reqs.live or s.forwards_in_flight:
         return {"checked": False}
     try:
         check_drained(s)

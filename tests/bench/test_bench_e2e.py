@@ -12,24 +12,53 @@ from mpprefill.trace import chrome
 
 pytestmark = pytest.mark.timeout(400)
 
-RUN_FIELDS = {"mode", "uncached_itps", "total_itps", "cache_hit_rate", "num_requests",
-              "num_finished", "num_failed", "duration_s", "ttft_ms", "worker_busy_frac",
-              "num_batches", "mailbox_bytes_per_batch", "first_tokens_sha256", "leaks",
-              "device", "t_sched_ms", "t_issue_ms", "t_device_ms", "device_busy_frac",
-              "handoff_gap_ms"}
+RUN_FIELDS = {
+    "mode",
+    "uncached_itps",
+    "total_itps",
+    "cache_hit_rate",
+    "num_requests",
+    "num_finished",
+    "num_failed",
+    "duration_s",
+    "ttft_ms",
+    "worker_busy_frac",
+    "num_batches",
+    "mailbox_bytes_per_batch",
+    "first_tokens_sha256",
+    "leaks",
+    "device",
+    "t_sched_ms",
+    "t_issue_ms",
+    "t_device_ms",
+    "device_busy_frac",
+    "handoff_gap_ms",
+}
 
 
 def _mpprefill(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "mpprefill", *args], capture_output=True,
-                         text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "mpprefill", *args], capture_output=True, text=True, timeout=timeout
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
 
 def test_bench_json_has_the_contract_fields_and_adds_up(tmp_path):
     path = tmp_path / "bench.json"
-    out = _mpprefill("bench", "--modes", "normal,proc-ahead", "--num-requests", "12",
-                     "--prompt-len", "160", "--chunked-prefill-size", "64", "--json", str(path))
+    out = _mpprefill(
+        "bench",
+        "--modes",
+        "normal,proc-ahead",
+        "--num-requests",
+        "12",
+        "--prompt-len",
+        "160",
+        "--chunked-prefill-size",
+        "64",
+        "--json",
+        str(path),
+    )
     result = json.loads(path.read_text())
     assert result["forward_bound_itps"] > 0
     assert [r["mode"] for r in result["runs"]] == ["normal", "proc-ahead"]
@@ -51,9 +80,23 @@ def test_bench_json_has_the_contract_fields_and_adds_up(tmp_path):
 
 def test_emulated_sweep_point_labels_its_device_and_times_the_device(tmp_path):
     path = tmp_path / "bench.json"
-    out = _mpprefill("bench", "--device", "emulated", "--emulate-model", "Llama-3.1-8B",
-                     "--modes", "thread-ahead,proc-ahead", "--num-requests", "16",
-                     "--prompt-len", "256", "--chunked-prefill-size", "128", "--json", str(path))
+    out = _mpprefill(
+        "bench",
+        "--device",
+        "emulated",
+        "--emulate-model",
+        "Llama-3.1-8B",
+        "--modes",
+        "thread-ahead,proc-ahead",
+        "--num-requests",
+        "16",
+        "--prompt-len",
+        "256",
+        "--chunked-prefill-size",
+        "128",
+        "--json",
+        str(path),
+    )
     result = json.loads(path.read_text())
     assert "device: emulated (h200, Llama-3.1-8B)" in out.stdout
     for run in result["runs"]:
@@ -67,8 +110,17 @@ def test_emulated_sweep_point_labels_its_device_and_times_the_device(tmp_path):
 
 def test_profile_traces_both_processes_and_reports_overlap(tmp_path):
     out_dir = tmp_path / "prof"
-    _mpprefill("profile", "--forward-mode", "normal,proc-ahead", "--num-requests", "24",
-               "--prompt-len", "384", "--out-dir", str(out_dir))
+    _mpprefill(
+        "profile",
+        "--forward-mode",
+        "normal,proc-ahead",
+        "--num-requests",
+        "24",
+        "--prompt-len",
+        "384",
+        "--out-dir",
+        str(out_dir),
+    )
     report = json.loads((out_dir / "summary.json").read_text())
     assert report["normal"]["summary"]["overlap_frac"] == 0.0
     assert report["proc-ahead"]["summary"]["overlap_frac"] > 0.0

@@ -50,7 +50,7 @@ def test_scheduler_sends_every_request(mode, decode, router):
         for r in reqs:
             router.register(r.rid, r.bootstrap_room, r.origin_input_ids)
             s.add_request(r)
-        LOOPS[mode](s, lambda: not s.live and s.forwards_in_flight == 0)
+        LOOPS[mode](s, lambda: not s.reqs.live and s.forwards_in_flight == 0)
         replies = router.recv_many(len(reqs))
     finally:
         transfer.close()

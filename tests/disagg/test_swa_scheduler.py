@@ -107,7 +107,7 @@ def test_scheduler_sends_only_the_last_window(receiver):
             router.sync()
             for r in reqs:
                 s.add_request(r)
-            LOOPS["overlap"](s, lambda: not s.live and s.forwards_in_flight == 0)
+            LOOPS["overlap"](s, lambda: not s.reqs.live and s.forwards_in_flight == 0)
             replies = router.recv_many(len(reqs))
     finally:
         transfer.close()

@@ -8,9 +8,15 @@ from mpprefill.model.llama import LlamaForCausalLM
 
 
 def test_saved_random_model_loads_back_identical(tmp_path):
-    cfg = dataclasses.replace(ModelConfig.tiny(), hidden_size=64, num_hidden_layers=2,
-                              intermediate_size=128, num_attention_heads=4,
-                              num_key_value_heads=2, rope_theta=20000.0)
+    cfg = dataclasses.replace(
+        ModelConfig.tiny(),
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=20000.0,
+    )
     save_random_model(cfg, str(tmp_path), seed=3)
     ref = LlamaForCausalLM(cfg)
     ref.init_random_weights(3)

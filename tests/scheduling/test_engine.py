@@ -63,7 +63,7 @@ def test_long_prompts_finish_once_and_free_everything():
     ) as eng:
         s = eng.scheduler
         finished = []
-        s.on_finish = finished.append
+        s.reqs.on_finish = finished.append
         outs = eng.prefill(prompts)
         assert sorted(r.rid for r in finished) == sorted(o.rid for o in outs)  # once each
         assert all(r.inflight_middle_chunks == 0 for r in finished)

@@ -177,7 +177,7 @@ def test_decrement_on_a_copy_would_leak_and_is_caught(monkeypatch):
     with PrefillEngine(forward_mode="thread-ahead", page_size=16, chunked_prefill_size=32) as eng:
         with pytest.raises(TimeoutError):
             eng.prefill([[3] * 100], timeout=5.0)
-        (req,) = eng.scheduler.live.values()
+        (req,) = eng.scheduler.reqs.live.values()
         assert req.inflight_middle_chunks > 0  # the real counter never came down
         with pytest.raises(InvariantError, match="live"):
             eng.check_invariants()
@@ -199,7 +199,7 @@ def test_early_send_on_scheduler_thread_once_per_page(mode):
 
         s.send_kv_chunk = spy
         finished = []
-        s.on_finish = finished.append
+        s.reqs.on_finish = finished.append
         with traced_steps() as steps:
             eng.prefill(prompts)
     assert threads == {threading.get_ident()}

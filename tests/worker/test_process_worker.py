@@ -62,7 +62,7 @@ def test_worker_sigkill_fails_every_request_fast():
         forward_mode="proc-ahead", max_running_requests=2, chunked_prefill_size=64
     ) as eng:
         finished = []
-        eng.scheduler.on_finish = finished.append
+        eng.scheduler.reqs.on_finish = finished.append
         pid = eng.worker.pid
         killed_at = []
 
