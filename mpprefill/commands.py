@@ -15,7 +15,7 @@ def _serve_args(ap: argparse.ArgumentParser) -> None:
 
 @command("serve", "prefill scheduler and its forward worker", _serve_args)
 def serve(args: argparse.Namespace) -> int:
-    from mpprefill.server import run_serve
+    from mpprefill.server.server import run_serve
 
     try:
         server_args = from_namespace(ServerArgs, args)

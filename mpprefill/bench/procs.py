@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 import ipc
-from mpprefill.client import Client
+from mpprefill.server.client import Client
 
 
 def free_port() -> int:

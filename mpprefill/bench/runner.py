@@ -12,8 +12,8 @@ from mpprefill.bench.procs import Child, start_decode, start_server
 from mpprefill.bench.progress import Progress
 from mpprefill.bench.router import ReqResult, Router
 from mpprefill.bench.workload import Workload, random_prompts
-from mpprefill.client import Client
 from mpprefill.config import ServerArgs
+from mpprefill.server.client import Client
 
 SCHED_PHASES = ("A", "P", "S", "snapshot", "submit", "early-send", "inflight")
 

@@ -86,6 +86,16 @@ class Worker:
         raise NotImplementedError
 
     @property
+    def sentinel(self) -> int | None:
+        """A file descriptor that turns readable when the worker dies (a forward process's
+        sentinel), for the front's poll; None for a worker inside this process."""
+        return None
+
+    def death(self) -> str | None:
+        """Why the worker can no longer run forwards, or None while it can."""
+        return None
+
+    @property
     def mailbox_bytes(self) -> int:
         """Bytes that crossed a process boundary so far (0 within one process)."""
         return 0

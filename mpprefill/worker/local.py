@@ -91,6 +91,9 @@ class ThreadWorker(_LocalWorker):
         self._in.put_nowait(inp)
         self._pending.append(inp)
 
+    def death(self) -> str | None:
+        return None if self._thread.is_alive() else "forward thread exited"
+
     def _written(self, seq: int) -> bool:
         with self._done_cv:
             if self._done_seq < seq:

@@ -108,6 +108,13 @@ class ProcessWorker(Worker):
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def sentinel(self) -> int:
+        return self.proc.sentinel
+
+    def death(self) -> str | None:
+        return None if self.proc.is_alive() else self._death()
+
     def submit(self, inp: ForwardInput) -> None:
         self._check_room(self._pending)
         slot = inp.seq % NUM_SLOTS

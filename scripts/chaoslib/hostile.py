@@ -1,6 +1,6 @@
 """Malformed and hostile frames for the chaos run, each with the answer the server owes it.
 
-They are written by hand rather than with `mpprefill.protocol`'s builders: most of them are
+They are written by hand rather than with `mpprefill.server.protocol`'s builders: most of them are
 frames no builder would make.
 """
 
@@ -10,7 +10,7 @@ import json
 import random
 from dataclasses import dataclass, field
 
-from mpprefill import protocol
+from mpprefill.server import protocol
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ import time
 
 import ipc
 from mpprefill.bench.procs import Child
-from mpprefill.client import Client
+from mpprefill.server.client import Client
 
 
 def alive(child: Child) -> bool:

@@ -15,7 +15,7 @@ import zmq
 
 import ipc
 from mpprefill.bench.procs import RUNTIME_ENV, free_port, runtime_dir_of, terminate, worker_pid
-from mpprefill.client import Client
+from mpprefill.server.client import Client
 
 
 class Serve:

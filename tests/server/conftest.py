@@ -9,7 +9,7 @@ import pytest
 
 import ipc
 from mpprefill.bench.procs import free_port, terminate
-from mpprefill.client import Client
+from mpprefill.server.client import Client
 
 
 class ServerProc:

@@ -13,8 +13,8 @@ import ipc
 from mpprefill.bench.procs import start_decode, start_server
 from mpprefill.bench.router import Router
 from mpprefill.bench.workload import RequestSpec
-from mpprefill.client import Client
 from mpprefill.engine import PrefillEngine
+from mpprefill.server.client import Client
 
 pytestmark = pytest.mark.timeout(300)
 PAGE, CHUNK = 16, 40  # chunk boundaries fall mid-page

@@ -9,7 +9,7 @@ from typing import Any
 
 import zmq
 
-from mpprefill import protocol
+from mpprefill.server import protocol
 
 
 class Client:

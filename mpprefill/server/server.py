@@ -1,6 +1,6 @@
 """`mpprefill serve`: the prefill scheduler behind a ZeroMQ ROUTER, with its worker.
 
-Socket limits and frame sizes: protocol.py; signals: server_signals.py. Every request gets
+Socket limits and frame sizes: protocol.py; signals: signals.py. Every request gets
 exactly one reply: a transfer the decode side never answers fails by its sender's deadline.
 """
 
@@ -13,12 +13,12 @@ import time
 
 import zmq
 
-from mpprefill import protocol, server_signals
 from mpprefill.config import ServerArgs
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.scheduling.stats import scheduler_stats
+from mpprefill.server import protocol, signals
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker.api import WorkerDied
@@ -34,7 +34,7 @@ class PrefillServer:
         self.args, self.mode = args, args.resolved_forward_mode
         self._stop = False
         self.worker = None
-        server_signals.install(self._on_signal, self._exit_now)
+        signals.install(self._on_signal, self._exit_now)
         if args.trace_dir:
             set_tracer(Tracer("scheduler", enabled=True))
         self.worker, model_config = make_worker(args, self.mode)
