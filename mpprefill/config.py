@@ -72,6 +72,12 @@ class ServerArgs:
     delay_sampling: bool = _f(False, "sample after the forward, as a separate worker step")
     max_queued_requests: int = _f(4096, "waiting requests beyond this get 'overloaded'")
     bootstrap_timeout: float = _f(30.0, "seconds a request may wait for its decode side")
+    forward_timeout: float = _f(
+        300.0,
+        "seconds a forward (or its deferred sample) may take before its requests fail and the"
+        " worker is treated as dead; not enforced on the inline worker (normal, overlap)",
+        aliases=("--watchdog-timeout",),
+    )
     random_seed: int = _f(0, "seed of the built-in model's weights")
     record_batches: str | None = _f(None, "on exit, write every batch's shape (JSON) here")
     log_level: str = _f("info", "logging level")
@@ -103,6 +109,8 @@ class ServerArgs:
     )
 
     def __post_init__(self):
+        if not self.forward_timeout > 0:
+            raise ValueError(f"--forward-timeout must be positive, got {self.forward_timeout}")
         if self.forward_mode is not None and self.forward_mode not in FORWARD_MODES:
             raise ValueError(f"--forward-mode must be one of {FORWARD_MODES}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -132,6 +140,11 @@ class ServerArgs:
             raise ValueError(f"--emulate-gpu: one of {EMULATE_GPUS}")
         if self.staging not in STAGINGS:
             raise ValueError(f"--staging: one of {STAGINGS}")
+
+    def context_len(self, max_position_embeddings: int) -> int:
+        """The longest prompt this server takes: --context-length, else the model's positions.
+        Admission validates against it and the staging slots are sized from it."""
+        return self.context_length or max_position_embeddings
 
     @property
     def torch_device(self) -> str:

@@ -50,7 +50,7 @@ class Scheduler:
         `wait_for_requests(s)` waits up to s seconds for more (the front's socket)."""
         self.args, self.model_config = args, model_config
         self.page_size = args.page_size
-        self.context_len = args.context_length or model_config.max_position_embeddings
+        self.context_len = args.context_len(model_config.max_position_embeddings)
         rows = max(2 * args.max_running_requests, 64)
         self.req_pool = ReqToTokenPool(rows, self.context_len)
         self.allocator, self.tree = make_kv_pools(args, model_config, self.req_pool)
@@ -270,7 +270,7 @@ class Scheduler:
     def collect(self, snap: ForwardSnapshot) -> ForwardResult:
         t0 = clock_ns()
         mailbox_before = self._mailbox_mark
-        result = self.worker.collect()
+        result = self.worker.collect(self.args.forward_timeout)
         self._mailbox_mark = self.worker.mailbox_bytes
         self.metrics.mailbox_bytes.append(self._mailbox_mark - mailbox_before)
         self.forwards_in_flight -= 1
@@ -292,7 +292,7 @@ class Scheduler:
         result.wait_ready()
         self.metrics.add_phase("device-wait", t0, snap.seq)
         t0 = clock_ns()
-        tokens = self.worker.sample(snap.input)
+        tokens = self.worker.sample(snap.input, self.args.forward_timeout)
         self.metrics.add_phase("S", t0, snap.seq)
         return result._replace(next_token_ids=tokens)
 

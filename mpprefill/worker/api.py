@@ -74,6 +74,8 @@ class Worker:
     # Readers and writers of the KV pool outside the worker (transfer backend, host store)
     # pass this first; None where no forward runs while the scheduler thread works (inline).
     kv_fence: KVWriteFence | None = None
+    # The collected forward whose deferred sample is due, by sequence number.
+    _sample_due: int | None = None
 
     def submit(self, inp: ForwardInput) -> None:
         raise NotImplementedError
@@ -81,7 +83,7 @@ class Worker:
     def collect(self, timeout: float | None = None) -> ForwardResult:
         raise NotImplementedError
 
-    def sample(self, inp: ForwardInput) -> torch.Tensor:
+    def sample(self, inp: ForwardInput, timeout: float | None = None) -> torch.Tensor:
         """Deferred sampling of the last collected forward; the worker is idle here."""
         raise NotImplementedError
 
@@ -106,6 +108,19 @@ class Worker:
     def kill_now(self) -> None:
         """Stop at once, for a process that exits right after (a second signal)."""
         self.close()
+
+    def _note_collected(self, inp: ForwardInput) -> None:
+        self._sample_due = inp.seq if inp.delay_sample else None
+
+    def _check_sample(self, inp: ForwardInput, pending: Sequence[ForwardInput]) -> None:
+        """Raise unless `inp` is the last collected forward, deferred, and the worker idle:
+        sampling anything else would read another batch's logits."""
+        if pending:
+            raise RuntimeError(f"sample {inp.seq} while forward {pending[0].seq} is in flight")
+        if self._sample_due != inp.seq:
+            due = self._sample_due
+            raise RuntimeError(f"sample {inp.seq}, but the deferred forward due is {due}")
+        self._sample_due = None
 
     def _check_room(self, pending: Sequence[ForwardInput]) -> None:
         """Raise unless one more forward may join `pending` (submitted, not collected)."""

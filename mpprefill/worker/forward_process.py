@@ -90,7 +90,7 @@ class WorkerLoop:
     stream: HostStream
     late_reads: LateReads | None = None
     read_ahead: bool = False  # the receiving thread reads host slots (see the module doc)
-    last: tuple | None = None  # (logits, sampling) of the last forward, for deferred sampling
+    last: tuple | None = None  # (seq, logits, sampling) of a deferred forward, for its Sample
 
     def prepare(self, msg):
         """On the receiving thread, as each request arrives."""
@@ -152,7 +152,7 @@ class WorkerLoop:
             o.reads_done(slot, seq)
         inp = ForwardInput(seq, fb, sampling, msg.delay_sample, msg.want_logits)
         out = self.runner.forward(inp)
-        self.last = (out.logits.clone(), _own_copy(sampling)) if msg.delay_sample else None
+        self.last = (seq, out.logits.clone(), _own_copy(sampling)) if msg.delay_sample else None
         if not copied:
             self._release(slot, seq, fb)
         with get_tracer().span("result", seq):
@@ -163,9 +163,12 @@ class WorkerLoop:
         return out.start_ns, out.end_ns, out.device_s
 
     def _sample(self, msg: Sample) -> None:
-        if self.last is None:
-            raise RuntimeError(f"Sample {msg.seq} without a deferred forward")
-        tokens = self.runner.sample(*self.last)
+        """Samples the forward before it, which must be `msg.seq` and deferred."""
+        last, self.last = self.last, None
+        if last is None or last[0] != msg.seq:
+            had = "none" if last is None else last[0]
+            raise RuntimeError(f"Sample {msg.seq}, but the deferred forward before it is {had}")
+        tokens = self.runner.sample(last[1], last[2])
         self._write_result(msg.seq, tokens, None)
         self.order.result_ready(sample_gen(msg.seq))
 

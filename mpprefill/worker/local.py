@@ -30,12 +30,16 @@ class _LocalWorker(Worker):
     def _run(self, inp: ForwardInput) -> ForwardResult:
         return ForwardResult(inp.seq, *self.runner.forward(inp))
 
-    def sample(self, inp: ForwardInput) -> torch.Tensor:
-        # NOTE: called only after collect(), so the worker is idle here.
+    def sample(self, inp: ForwardInput, timeout: float | None = None) -> torch.Tensor:
+        self._check_sample(inp, self._in_flight())
         return self.runner.sample(self._last_logits, inp.sampling)
 
-    def _collected(self, result: ForwardResult) -> ForwardResult:
+    def _in_flight(self) -> list[ForwardInput]:
+        raise NotImplementedError
+
+    def _collected(self, inp: ForwardInput, result: ForwardResult) -> ForwardResult:
         self._last_logits = result.logits  # for a deferred sample
+        self._note_collected(inp)
         return result
 
 
@@ -56,7 +60,10 @@ class InlineWorker(_LocalWorker):
             raise RuntimeError("collect with nothing submitted")
         inp = self._pending
         self._pending = None
-        return self._collected(self._run(inp))
+        return self._collected(inp, self._run(inp))
+
+    def _in_flight(self) -> list[ForwardInput]:
+        return [] if self._pending is None else [self._pending]
 
 
 class ThreadWorker(_LocalWorker):
@@ -120,11 +127,15 @@ class ThreadWorker(_LocalWorker):
                 if not self._thread.is_alive():
                     raise WorkerDied("forward thread exited") from None
                 if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"forward not done within {timeout}s") from None
-        self._pending.popleft()
+                    seq = self._pending[0].seq
+                    raise WorkerDied(f"forward {seq} not done within {timeout}s") from None
+        inp = self._pending.popleft()
         if isinstance(item, BaseException):
             raise WorkerDied(f"forward failed: {item!r}") from item
-        return self._collected(item)
+        return self._collected(inp, item)
+
+    def _in_flight(self) -> list[ForwardInput]:
+        return list(self._pending)
 
     def _loop(self) -> None:
         while (inp := self._in.get()) is not None:

@@ -50,15 +50,26 @@ class ProcessWorker(Worker):
         self.plan = DevicePlan.of(args.device, args.staging)
         self.prefix = ipc.new_prefix(TAG)
         self.max_reqs = args.max_running_requests
-        self.staging = make_staging(_specs(args), self.prefix, self.plan)
-        self._events_st = ipc.SharedTensor.create((NUM_EVENTS,), torch.int64, self.prefix)
-        events, cuda_events = make_events(self.plan, "scheduler", self._events_st.tensor)
         self._pending: deque[ForwardInput] = deque()
         self._kv: KVCache | None = None
+        with contextlib.ExitStack() as undo:  # a start that fails leaves nothing behind
+            undo.callback(ipc.remove_prefix, self.prefix)
+            self._start(args, hooks, undo)
+            self._attach(self._get(START_TIMEOUT))
+            undo.pop_all()
+
+    def _start(self, args: ServerArgs, hooks: DeviceHooks | None, undo: contextlib.ExitStack):
+        self.staging = make_staging(_specs(args, config_from_args(args)), self.prefix, self.plan)
+        undo.callback(self.staging.unlink)
+        self._events_st = ipc.SharedTensor.create((NUM_EVENTS,), torch.int64, self.prefix)
+        undo.callback(self._events_st.unlink)
+        events, cuda_events = make_events(self.plan, "scheduler", self._events_st.tensor)
         # Requests (Submit, Sample, Exit) one way, replies the other: each side serves
         # its receiving mailbox on a thread of its own (see mailboxes.py).
         self.requests = ipc.Channel(ipc.ipc_endpoint(f"fw-{self.prefix}-req"), bind=True)
+        undo.callback(_drop_channel, self.requests)
         self.replies = ipc.Channel(ipc.ipc_endpoint(f"fw-{self.prefix}-rep"), bind=True)
+        undo.callback(_drop_channel, self.replies)
         setup = WorkerSetup.of(
             dataclasses.asdict(args),
             self.plan,
@@ -76,13 +87,13 @@ class ProcessWorker(Worker):
             args=(setup, (self.requests.endpoint, self.replies.endpoint), os.getpid()),
         )
         self.proc.start()
+        undo.callback(_stop_process, self.proc)
         self.requests.set_peer(self.proc.pid)
         self.replies.set_peer(self.proc.pid)
         self.order = SchedulerOrder(events, alive=self.proc.is_alive)
         self.kv_fence = KVWriteFence(
             args.num_pages, args.page_size, self.order.kv_written, self.order.kv_written_query
         )
-        self._attach(self._get(START_TIMEOUT))
 
     def _attach(self, ready) -> None:
         if not isinstance(ready, Ready):
@@ -136,6 +147,7 @@ class ProcessWorker(Worker):
         with self._events():
             self.order.before_result(forward_gen(done.seq), timeout)
         self._pending.popleft()
+        self._note_collected(inp)
         b = inp.batch_size
         row = inp.seq % NUM_RESULT_SLOTS
         tokens = self.result["tokens"][row, :b].clone() if done.sampled else None
@@ -145,11 +157,12 @@ class ProcessWorker(Worker):
             done.seq, tokens, logits, done.forward_s, done.start_ns, done.end_ns, done.device_s
         )
 
-    def sample(self, inp: ForwardInput) -> torch.Tensor:
+    def sample(self, inp: ForwardInput, timeout: float | None = None) -> torch.Tensor:
+        self._check_sample(inp, self._pending)
         self._put(Sample(inp.seq))
-        self._get(None)
+        self._get(timeout)
         with self._events():
-            self.order.before_result(sample_gen(inp.seq))
+            self.order.before_result(sample_gen(inp.seq), timeout)
         row = inp.seq % NUM_RESULT_SLOTS
         return self.result["tokens"][row, : inp.batch_size].clone()
 
@@ -174,6 +187,8 @@ class ProcessWorker(Worker):
             msg = self.replies.get(timeout)
         except ipc.PeerDied:
             raise WorkerDied(self._death()) from None
+        except ipc.MailboxTimeout:
+            raise WorkerDied(f"forward process stalled: no reply within {timeout}s") from None
         if isinstance(msg, Failed):
             raise WorkerDied(f"forward process failed: {msg.error}")
         if not isinstance(msg, Done | Ready):
@@ -199,9 +214,7 @@ class ProcessWorker(Worker):
             with contextlib.suppress(ipc.MailboxError):
                 self.requests.put(Exit("close"), timeout=2)
             self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        _stop_process(self.proc)
         self.staging.unlink()
         self._events_st.unlink()
         ipc.remove_prefix(self.prefix)  # whatever the forward process left behind
@@ -211,21 +224,32 @@ class ProcessWorker(Worker):
     def kill_now(self) -> None:
         """Kill the forward process, then unlink every segment and the channels' sockets."""
         with contextlib.suppress(Exception):
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(1)
+            _stop_process(self.proc, 1)
             self.close()
         for ch in (self.requests, self.replies):
             ipc.remove_ipc_endpoint(ch.endpoint)
 
 
-def _specs(args: ServerArgs):
-    ctx_len = args.context_length or 1 << 16
+def _stop_process(proc: mp.process.BaseProcess, wait_s: float = 5) -> None:
+    if proc.is_alive():
+        proc.kill()
+        proc.join(wait_s)
+
+
+def _drop_channel(ch: ipc.Channel) -> None:
+    ch.close()
+    ipc.remove_ipc_endpoint(ch.endpoint)
+
+
+def _specs(args: ServerArgs, config: ModelConfig):
+    """Room for any batch admission can build: at most max_running_requests requests, each
+    at most the context length and the KV pool long (validated at admission); new tokens
+    within the batch budgets, or one whole prompt when chunking is off."""
+    longest = min(args.context_len(config.max_position_embeddings), num_kv_slots(args))
     max_tokens = max(
         args.max_prefill_tokens,
         args.chunked_prefill_size,
-        ctx_len if args.chunked_prefill_size == -1 else 0,
+        longest if args.chunked_prefill_size == -1 else 0,
     )
-    max_kv = args.max_running_requests * ctx_len
-    swa = config_from_args(args).has_sliding_layers
-    return staging_specs(max_tokens, args.max_running_requests, max_kv, swa)
+    max_kv = args.max_running_requests * longest
+    return staging_specs(max_tokens, args.max_running_requests, max_kv, config.has_sliding_layers)
