@@ -1,31 +1,35 @@
-# Sourced by the other scripts: makes .venv if missing and installs the project into it.
-# Usage: source scripts/_env.sh [extra,extra]
+# Sourced by the other scripts; defines the set-up steps and runs none of them.
+#   setup_venv [extra,extra]   make .venv if missing and install the project into it
+# NOTE: functions, not a script reading "$1": `source` without arguments hands a script's
+# own arguments to the sourced file.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 TORCH_PIN="torch==2.13.0"
-EXTRAS="${1:-}"
-PY="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-    echo "[setup] creating .venv" >&2
-    "$PY" -m venv .venv
-fi
 VPY="$ROOT/.venv/bin/python"
+
 pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
-# NOTE: torch goes in first and pinned, so that no later requirement pulls a CUDA build.
-if ! "$VPY" -c "import torch" 2>/dev/null; then
-    echo "[setup] installing $TORCH_PIN (CPU build)" >&2
-    pip_q "$TORCH_PIN"
-fi
-# One stamp per extra (and "core"); an install with extras also satisfies "core".
-need=""
-for e in core ${EXTRAS//,/ }; do
-    stamp=".venv/.installed-$e"
-    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then need="$need $e"; fi
-done
-if [ -n "$need" ]; then
-    echo "[setup] installing mpprefill${EXTRAS:+[$EXTRAS]}" >&2
-    pip_q -e ".${EXTRAS:+[$EXTRAS]}"
-    for e in core ${EXTRAS//,/ }; do touch ".venv/.installed-$e"; done
-fi
-export PATH="$ROOT/.venv/bin:$PATH"
+
+setup_venv() {
+    local extras="${1:-}" need="" e stamp
+    if [ ! -x .venv/bin/python ]; then
+        echo "[setup] creating .venv" >&2
+        "${PYTHON:-python3}" -m venv .venv
+    fi
+    # NOTE: torch goes in first and pinned, so that no later requirement pulls a CUDA build.
+    if ! "$VPY" -c "import torch" 2>/dev/null; then
+        echo "[setup] installing $TORCH_PIN (CPU build)" >&2
+        pip_q "$TORCH_PIN"
+    fi
+    # One stamp per extra (and "core"); an install with extras also satisfies "core".
+    for e in core ${extras//,/ }; do
+        stamp=".venv/.installed-$e"
+        if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then need="$need $e"; fi
+    done
+    if [ -n "$need" ]; then
+        echo "[setup] installing mpprefill${extras:+[$extras]}" >&2
+        pip_q -e ".${extras:+[$extras]}"
+        for e in core ${extras//,/ }; do touch ".venv/.installed-$e"; done
+    fi
+    export PATH="$ROOT/.venv/bin:$PATH"
+}

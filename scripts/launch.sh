@@ -3,6 +3,7 @@
 # Flags go to `mpprefill serve`; DECODE_PORT (default 30200) picks the decode port.
 # Ctrl-C stops both.
 source "$(dirname "$0")/_env.sh"
+setup_venv
 DECODE_PORT="${DECODE_PORT:-30200}"
 BACKEND=shm
 prev=""

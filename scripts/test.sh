@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv (if needed) and run the test suite. Extra args go to pytest.
-source "$(dirname "$0")/_env.sh" test,hf,plot
+source "$(dirname "$0")/_env.sh"
+setup_venv test,hf,plot
 # Test-only oracles and optional backends; their tests skip with a reason when absent.
 optional() {  # optional <import name> <pip requirement>
     .venv/bin/python -c "import $1" 2>/dev/null && return 0
