@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.mooncake_backend import MooncakeUnavailable, start_engine
+from mpprefill.disagg.mooncake_backend import unavailable_reason
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.disagg.shm_backend import plane_view
 from mpprefill.memory.kv_cache import KVCache
@@ -205,12 +205,10 @@ def bench_backend(name: str, kv: KVCache, model: str, src_pages, args) -> list[f
 
 
 def mooncake_missing() -> bool:
-    try:
-        start_engine("127.0.0.1")
-    except MooncakeUnavailable as e:
-        logger.warning("skipping mooncake: %s", e)
-        return True
-    return False
+    reason = unavailable_reason()
+    if reason:
+        logger.warning("skipping mooncake: %s", reason)
+    return reason is not None
 
 
 def print_table(rows, nbytes: int, pages: int, chunk: int) -> None:

@@ -2,6 +2,7 @@
 # Set up .venv (if needed) and run the test suite. Extra args go to pytest.
 source "$(dirname "$0")/_env.sh"
 setup_venv test,hf,plot
+setup_rdma_libs
 # Test-only oracles and optional backends; their tests skip with a reason when absent.
 optional() {  # optional <import name> <pip requirement>
     .venv/bin/python -c "import $1" 2>/dev/null && return 0

@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+RDMA_LIBS = "libibverbs1 librdmacm1 libnuma1"
 
-# A .venv python that has torch and every optional package.
+# A .venv python that has torch and every optional package; `ctypes.CDLL(...)` (the RDMA
+# library probe) exits $CDLL_RC.
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "python $*" >> "$LOG"
+case "$*" in *CDLL*) exit "${CDLL_RC:-0}" ;; esac
 exit 0
 """
 LOGGING_TOOL = """#!/usr/bin/env bash
@@ -71,3 +74,29 @@ def test_test_sh_installs_extras_then_runs_pytest_with_its_args(tree):
     lines = run_script(tree, "test.sh", "-q", "tests/ipc")
     assert any(ln.endswith("-e .[test,hf,plot]") for ln in lines), lines
     assert lines[-1] == "python -m pytest -q tests/ipc"
+
+
+def test_missing_rdma_libraries_are_installed_as_root(tree):
+    lines = run_script(tree, "test.sh", CDLL_RC="1")
+    assert "apt-get update -qq" in lines
+    assert f"apt-get install -y -qq {RDMA_LIBS}" in lines
+    assert lines[-1] == "python -m pytest"
+
+
+@pytest.mark.parametrize(
+    "case, uid, env",
+    [
+        ("present", 0, {"CDLL_RC": "0"}),
+        ("not root", 1000, {"CDLL_RC": "1"}),
+    ],
+)
+def test_rdma_libraries_left_alone(tree, case, uid, env):
+    lines = run_script(tree, "test.sh", uid=uid, **env)
+    assert not [ln for ln in lines if ln.startswith("apt-get")], case
+    assert lines[-1] == "python -m pytest"
+
+
+def test_failed_rdma_install_does_not_stop_the_tests(tree):
+    lines = run_script(tree, "test.sh", CDLL_RC="1", TOOL_RC="100")
+    assert "apt-get update -qq" in lines
+    assert lines[-1] == "python -m pytest"

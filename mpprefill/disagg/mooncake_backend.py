@@ -34,14 +34,24 @@ def start_engine(host: str):
         from mooncake.engine import TransferEngine
     except ImportError as e:  # also missing libibverbs/librdmacm/libnuma
         raise MooncakeUnavailable(f"cannot import mooncake.engine: {e}") from e
-    engine = TransferEngine()
     try:
+        engine = TransferEngine()
         rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
     except Exception as e:
-        raise MooncakeUnavailable(f"TransferEngine.initialize({host!r}) raised: {e}") from e
+        raise MooncakeUnavailable(f"TransferEngine on {host!r} failed: {e}") from e
     if rc != 0:
         raise MooncakeUnavailable(f"TransferEngine.initialize({host!r}, P2PHANDSHAKE, tcp) = {rc}")
     return engine, f"{host}:{engine.get_rpc_port()}"
+
+
+def unavailable_reason(host: str = "127.0.0.1") -> str | None:
+    """Why no engine starts on this machine (None when one does): starts one and drops it,
+    since the package may import while the engine still lacks its OS libraries."""
+    try:
+        start_engine(host)
+    except MooncakeUnavailable as e:
+        return str(e)
+    return None
 
 
 def _register(engine, t: torch.Tensor) -> None:

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.mooncake_backend import MooncakeUnavailable, start_engine
 from mpprefill.disagg.sender import KVPoll
 from tests.disagg.helpers import (
     PAGE,
@@ -17,23 +16,14 @@ from tests.disagg.helpers import (
     send_chunks,
     wait_state,
 )
+from tests.mooncake_check import skip_without_mooncake
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_prefill_segments")]
 
 
-def _mooncake_reason() -> str | None:
-    try:
-        start_engine("127.0.0.1")
-    except MooncakeUnavailable as e:
-        return str(e)
-    return None
-
-
 @pytest.fixture(scope="module")
 def mooncake_decode():
-    reason = _mooncake_reason()
-    if reason:
-        pytest.skip(f"mooncake transfer engine unavailable: {reason}")
+    skip_without_mooncake()
     d = DecodeProc("--verify", backend="mooncake").wait_ready()
     yield d
     assert not d.close()

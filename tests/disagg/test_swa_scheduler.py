@@ -16,7 +16,6 @@ from mpprefill.config import ServerArgs
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.disagg.decode.args import DecodeArgs
 from mpprefill.disagg.decode.receiver import DecodeReceiver
-from mpprefill.disagg.mooncake_backend import MooncakeUnavailable, start_engine
 from mpprefill.disagg.planes import window_first_page
 from mpprefill.memory.allocator import cdiv
 from mpprefill.scheduling.loops import LOOPS
@@ -25,24 +24,21 @@ from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.worker.factory import make_worker
 from tests.disagg.helpers import PAGE, Router, serving
 from tests.disagg.swa_helpers import PATTERN, WINDOW, assert_window_kv
+from tests.mooncake_check import skip_without_mooncake
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _skip_without_mooncake() -> None:
-    try:
-        start_engine("127.0.0.1")
-    except MooncakeUnavailable as e:
-        pytest.skip(f"mooncake transfer engine unavailable: {e}")
-
-
-@pytest.fixture(params=[("shm", PATTERN), ("mooncake", PATTERN), ("shm", "all")])
+@pytest.fixture(
+    params=[("shm", PATTERN), ("mooncake", PATTERN), ("shm", "all")],
+    ids=["shm", "mooncake", "shm-all-layers"],
+)
 def receiver(request):
     """A verifying decode receiver on a thread; `received` collects (ids, prefix, KV).
     With every layer sliding the full-attention pool has no planes at all."""
     backend, pattern = request.param
     if backend == "mooncake":
-        _skip_without_mooncake()
+        skip_without_mooncake()
     args = DecodeArgs(
         port=0,
         page_size=PAGE,

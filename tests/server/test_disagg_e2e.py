@@ -15,6 +15,7 @@ from mpprefill.bench.router import Router
 from mpprefill.bench.workload import RequestSpec
 from mpprefill.engine import PrefillEngine
 from mpprefill.server.client import Client
+from tests.mooncake_check import skip_without_mooncake
 
 pytestmark = pytest.mark.timeout(300)
 PAGE, CHUNK = 16, 40  # chunk boundaries fall mid-page
@@ -99,7 +100,7 @@ def offline_first_tokens(ps: list[list[int]]) -> list[int]:
 @pytest.mark.parametrize("backend", ["shm", "mooncake"])
 def test_kv_arrives_verified_and_tokens_match_offline(cluster, backend):
     if backend == "mooncake":
-        pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is absent")
+        skip_without_mooncake()
     ps = prompts(14)
     server, decode = cluster(backend)
     router = Router(server.port, decode.port)
