@@ -105,20 +105,38 @@ def list_segments(prefix: str) -> list[str]:
 
 
 def sweep_stale(tag: str) -> list[str]:
-    """Remove segments of `tag` whose creating process no longer runs.
+    """Remove this user's segments of `tag` whose creating process no longer runs.
 
     Names are `/<tag>_<...>.<creator pid>.<n>`. A starting owner calls this for its
     own tag: segments survive SIGKILL, and only their creator would have unlinked them.
+    /dev/shm is shared between users: another user's segments are left alone, and a name
+    that cannot be removed is logged and skipped.
     """
-    removed = []
-    for name in list_segments(tag + "_"):
-        parts = name.rsplit(".", 2)
-        pid = parts[1] if len(parts) == 3 else ""
-        if pid.isdigit() and not pid_alive(int(pid)) and unlink_segment(name):
-            removed.append(name)
+    removed = [name for name in list_segments(tag + "_") if _is_stale(name) and _remove(name)]
     if removed:
         logger.info("removed %d stale shared segments of %s", len(removed), tag)
     return removed
+
+
+def _is_stale(name: str) -> bool:
+    """This user's segment, and its creator is gone."""
+    parts = name.rsplit(".", 2)
+    pid = parts[1] if len(parts) == 3 else ""
+    if not pid.isdigit():
+        return False
+    try:
+        uid = os.stat(SHM_DIR + name).st_uid
+    except OSError:  # gone meanwhile
+        return False
+    return uid == os.getuid() and not pid_alive(int(pid))
+
+
+def _remove(name: str) -> bool:
+    try:
+        return unlink_segment(name)
+    except (posix_ipc.Error, OSError) as e:
+        logger.warning("cannot remove stale shared segment %s: %s", name, e)
+        return False
 
 
 def remove_prefix(prefix: str) -> int:
