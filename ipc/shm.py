@@ -7,7 +7,6 @@ import itertools
 import logging
 import mmap
 import os
-import threading
 
 import posix_ipc
 
@@ -17,8 +16,10 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _counter = itertools.count()
+# NOTE: no lock guards this: every access is one dict operation (atomic under the GIL),
+# and the signal handler that unlinks the owned segments may run in the middle of any
+# other access on the main thread, where a non-reentrant lock would deadlock.
 _owned: dict[str, int] = {}  # segment name -> owner pid
-_owned_lock = threading.Lock()
 
 
 class Segment:
@@ -47,8 +48,7 @@ class Segment:
             posix_ipc.unlink_shared_memory(name)
             raise
         shm.close_fd()
-        with _owned_lock:
-            _owned[name] = os.getpid()
+        _owned[name] = os.getpid()
         return cls(name, size, True, mm)
 
     @classmethod
@@ -78,8 +78,7 @@ class Segment:
 
 def unlink_segment(name: str) -> bool:
     """Unlink by name; False if it was already gone."""
-    with _owned_lock:
-        _owned.pop(name, None)
+    _owned.pop(name, None)
     try:
         posix_ipc.unlink_shared_memory(name)
     except posix_ipc.ExistentialError:
@@ -90,9 +89,8 @@ def unlink_segment(name: str) -> bool:
 def unlink_owned() -> int:
     """Unlink every segment this process created and has not unlinked yet."""
     pid = os.getpid()
-    with _owned_lock:
-        names = [n for n, p in _owned.items() if p == pid]
-    return sum(unlink_segment(n) for n in names)
+    owned = list(_owned.items())  # one copy: other threads may add or drop names meanwhile
+    return sum(unlink_segment(n) for n, p in owned if p == pid)
 
 
 def list_segments(prefix: str) -> list[str]:

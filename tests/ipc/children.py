@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -78,3 +79,23 @@ def self_kill(endpoint: str, parent: int) -> None:
     ch = ipc.Channel(endpoint, bind=False, peer_pid=parent)
     ch.get(timeout=10)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def signal_while_unlinking(prefix: str) -> None:
+    """A signal lands while this process unlinks one of its segments (in the middle of its
+    bookkeeping); the cleanup handler runs right there, then a handler that returns, and the
+    process carries on. Exit 0 once both handlers ran."""
+    seen = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    ipc.install_signal_cleanup((signal.SIGUSR1,))
+    ipc.SharedTensor.create((8,), torch.uint8, prefix)
+    doomed = ipc.SharedTensor.create((8,), torch.uint8, prefix)
+
+    def profile(frame, event, arg):
+        if event == "c_call" and frame.f_code.co_name == "unlink_segment" and not seen:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    sys.setprofile(profile)
+    doomed.unlink()
+    sys.setprofile(None)
+    sys.exit(0 if seen else 3)
