@@ -7,20 +7,24 @@ import contextlib
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 
 _RUNTIME_ENV = "MPP_IPC_RUNTIME_DIR"
+_DIR_PREFIX = "mpp-ipc-"  # then `<creator pid>-<random>`
 
 
 def runtime_dir() -> str:
     """A private (0700) directory for `ipc://` socket files, created on first use.
 
     Children inherit the path through the environment, so every process of one
-    tree agrees on it.
+    tree agrees on it. Its creator removes it at exit; the one creating a new directory
+    removes this user's directories whose creator is gone (killed at once).
     """
     path = os.environ.get(_RUNTIME_ENV)
     if path is None:
-        path = tempfile.mkdtemp(prefix="mpp-ipc-")
+        sweep_stale_dirs()
+        path = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         os.environ[_RUNTIME_ENV] = path
         creator = os.getpid()
         atexit.register(lambda: os.getpid() == creator and shutil.rmtree(path, True))
@@ -28,6 +32,32 @@ def runtime_dir() -> str:
     if os.stat(path).st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
+
+
+def sweep_stale_dirs() -> list[str]:
+    """Remove this user's runtime directories whose creating process no longer runs."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    stale = [os.path.join(root, n) for n in names if n.startswith(_DIR_PREFIX)]
+    stale = [p for p in stale if _creator_gone(p)]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def _creator_gone(path: str) -> bool:
+    pid, dash, _ = os.path.basename(path)[len(_DIR_PREFIX) :].partition("-")
+    if not (dash and pid.isdigit()):
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    mine = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+    return mine and not pid_alive(int(pid))
 
 
 def ipc_endpoint(name: str) -> str:
