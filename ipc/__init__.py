@@ -8,7 +8,15 @@ from ipc.codec import CodecError, decode, encode, message
 from ipc.events import EventTimeout, ShmEvent
 from ipc.handle import TensorHandle
 from ipc.mailbox import Channel, MailboxError, MailboxFull, MailboxTimeout, PeerDied
-from ipc.runtime import ipc_endpoint, new_prefix, pid_alive, remove_ipc_endpoint, runtime_dir
+from ipc.runtime import (
+    die_with_parent,
+    ipc_endpoint,
+    new_prefix,
+    parent_alive,
+    pid_alive,
+    remove_ipc_endpoint,
+    runtime_dir,
+)
 from ipc.shm import (
     install_signal_cleanup,
     list_segments,
@@ -33,6 +41,7 @@ __all__ = [
     "TensorHandle",
     "close_handle",
     "decode",
+    "die_with_parent",
     "encode",
     "install_signal_cleanup",
     "ipc_endpoint",
@@ -40,6 +49,7 @@ __all__ = [
     "message",
     "new_prefix",
     "open_handle",
+    "parent_alive",
     "pid_alive",
     "remove_ipc_endpoint",
     "remove_prefix",

@@ -7,7 +7,8 @@ protocol here: every data frame is answered by an ack frame when the receiver
 `put` blocks until the peer has taken the previous message, up to its timeout,
 then raises `MailboxFull`. `get` blocks up to its timeout, then raises
 `MailboxTimeout`. Both check the peer's pid while they wait and raise `PeerDied`
-within `_POLL_MS` (0.1 s) of its death.
+within `_POLL_MS` (0.1 s) of its death (a peer that is this process's parent is checked
+by `getppid`, which a reused pid cannot fool).
 
 One `Channel` carries a mailbox in each direction (data one way, acks the other),
 so a scheduler and its worker need one socket pair.
@@ -24,7 +25,7 @@ from typing import Any
 import zmq
 
 from ipc import codec
-from ipc.runtime import pid_alive
+from ipc.runtime import parent_alive, pid_alive
 
 _DATA, _ACK = b"M", b"A"
 _POLL_MS = 100  # longest wait between two checks of the peer's pid
@@ -47,21 +48,25 @@ class PeerDied(MailboxError):
 
 
 class Channel:
-    def __init__(self, endpoint: str, bind: bool, peer_pid: int | None = None):
+    def __init__(
+        self, endpoint: str, bind: bool, peer_pid: int | None = None, peer_is_parent: bool = False
+    ):
         self.endpoint = endpoint
         self._sock = zmq.Context.instance().socket(zmq.PAIR)
         self._sock.setsockopt(zmq.LINGER, 0)
         (self._sock.bind if bind else self._sock.connect)(endpoint)
         self._peer_alive: Callable[[], bool] = lambda: True
         if peer_pid is not None:
-            self.set_peer(peer_pid)
+            self.set_peer(peer_pid, peer_is_parent)
         self._inbox: deque[bytes] = deque()
         self._unacked = 0
         self.bytes_sent = 0
         self.bytes_recv = 0
 
-    def set_peer(self, pid: int) -> None:
-        self._peer_alive = lambda: pid_alive(pid)
+    def set_peer(self, pid: int, is_parent: bool = False) -> None:
+        """Watch `pid`; `is_parent` when it is this process's parent, whose death is then
+        seen even once its pid belongs to another process."""
+        self._peer_alive = (lambda: parent_alive(pid)) if is_parent else (lambda: pid_alive(pid))
 
     def put(self, msg: Any, timeout: float | None = None) -> None:
         """Send `msg` once the peer took the previous one (see module doc)."""

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import secrets
 import shutil
+import signal
 import stat
+import sys
 import tempfile
 
 _RUNTIME_ENV = "MPP_IPC_RUNTIME_DIR"
 _DIR_PREFIX = "mpp-ipc-"  # then `<creator pid>-<random>`
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def runtime_dir() -> str:
@@ -85,6 +89,26 @@ def new_prefix(tag: str = "mpp") -> str:
     if not tag.replace("-", "").isalnum():
         raise ValueError(f"prefix tag must be alphanumeric (dashes allowed): {tag!r}")
     return f"{tag}_{os.getpid()}_{secrets.token_hex(3)}"
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send this process `sig` once `parent` exits (Linux); False if it
+    has exited already.
+
+    NOTE: the signal follows the parent *thread* that started this process: a parent must
+    start its children from a thread that lives as long as it does.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    return parent_alive(parent)  # the parent may have died before the prctl
+
+
+def parent_alive(parent: int) -> bool:
+    """True while `parent` is still this process's parent. Unlike `pid_alive`, a new
+    process that got the dead parent's pid cannot fool it: an orphan's parent changes."""
+    return os.getppid() == parent
 
 
 def pid_alive(pid: int) -> bool:

@@ -202,12 +202,17 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
     # this process itself, so SIGINT is ignored here. SIGTERM still cleans up and exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ipc.install_signal_cleanup((signal.SIGTERM,))
+    # The scheduler's death (even by SIGKILL, mid-forward) sends SIGTERM: the segments this
+    # process owns go with it. Its pid is never polled: another process may get it.
+    if not ipc.die_with_parent(parent, signal.SIGTERM):
+        logger.warning("scheduler went away before the forward process started")
+        sys.exit(1)
     args = ServerArgs(**setup.args)
     set_torch_threads(args.worker_threads)
     if args.trace_dir:
         set_tracer(Tracer("worker", enabled=True))
-    requests = ipc.Channel(endpoints[0], bind=False, peer_pid=parent)
-    replies = ipc.Channel(endpoints[1], bind=False, peer_pid=parent)
+    requests = ipc.Channel(endpoints[0], bind=False, peer_pid=parent, peer_is_parent=True)
+    replies = ipc.Channel(endpoints[1], bind=False, peer_pid=parent, peer_is_parent=True)
     watch = GcWatch().install()  # its pauses show as spans in a trace
     outbox = None
     code = 0
@@ -257,7 +262,7 @@ def _setup(args: ServerArgs, setup: WorkerSetup, parent: int):
     table = ipc.open_handle(ipc.TensorHandle.from_dict(setup.events))
     events, _ = make_events(plan, "worker", table, setup.cuda_events)
     stream = _stream(runner, plan, setup.hooks)
-    order = WorkerOrder(events, alive=lambda: ipc.pid_alive(parent), record=stream.record)
+    order = WorkerOrder(events, alive=lambda: ipc.parent_alive(parent), record=stream.record)
     late = setup.hooks.late_reads(plan)
     read_ahead = plan.device == "cpu"  # host slots, read in place
     loop = WorkerLoop(runner, slots, views, order, stream, late, read_ahead)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import sys
@@ -99,3 +100,19 @@ def signal_while_unlinking(prefix: str) -> None:
     doomed.unlink()
     sys.setprofile(None)
     sys.exit(0 if seen else 3)
+
+
+def parent_of_watcher(endpoint: str) -> None:
+    """Start a child that dies with this process, then wait to be killed."""
+    child = mp.get_context("spawn").Process(target=watcher, args=(endpoint, os.getpid()))
+    child.start()
+    time.sleep(60)
+
+
+def watcher(endpoint: str, parent: int) -> None:
+    """Ask to die with `parent`, report this pid, then sleep without ever polling it."""
+    if not ipc.die_with_parent(parent):
+        return
+    ch = ipc.Channel(endpoint, bind=False)
+    ch.put(Note(os.getpid()), timeout=10)
+    time.sleep(60)

@@ -63,3 +63,17 @@ def test_second_signal_exits_at_once_and_still_unlinks(serve):
     assert srv.segments() == []  # the scheduler's and the forward process's
     assert not os.path.exists(runtime_dir)
     client.close()
+
+
+def test_forward_process_dies_with_a_killed_scheduler_mid_forward(serve):
+    srv = serve(
+        *("--forward-mode", "proc-ahead", "--worker-threads", "1"),
+        *("--chunked-prefill-size", "8192", "--max-prefill-tokens", "8192"),
+    )
+    worker, client = srv.worker_pid(), srv.client()
+    client.generate("long", [(j * 13) % 4000 + 1 for j in range(8000)])  # a forward of seconds
+    time.sleep(0.8)
+    srv.proc.kill()
+    assert pid_gone(worker, 1.5)  # at once, not after its forward
+    assert not [s for s in srv.segments() if f".{worker}." in s]  # it unlinked its own
+    client.close()
