@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import os
 import secrets
 import shutil
@@ -14,7 +15,7 @@ import sys
 import tempfile
 
 _RUNTIME_ENV = "MPP_IPC_RUNTIME_DIR"
-_DIR_PREFIX = "mpp-ipc-"  # then `<creator pid>-<random>`
+_DIR_PREFIX = "mpp-ipc-"  # then `<creator pid>.<its PID namespace>-<random>`
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -28,7 +29,7 @@ def runtime_dir() -> str:
     path = os.environ.get(_RUNTIME_ENV)
     if path is None:
         sweep_stale_dirs()
-        path = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
+        path = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}.{pid_namespace()}-")
         os.environ[_RUNTIME_ENV] = path
         creator = os.getpid()
         atexit.register(lambda: os.getpid() == creator and shutil.rmtree(path, True))
@@ -39,7 +40,8 @@ def runtime_dir() -> str:
 
 
 def sweep_stale_dirs() -> list[str]:
-    """Remove this user's runtime directories whose creating process no longer runs."""
+    """Remove this user's runtime directories whose creating process (in this PID
+    namespace) no longer runs."""
     root = tempfile.gettempdir()
     try:
         names = os.listdir(root)
@@ -53,8 +55,9 @@ def sweep_stale_dirs() -> list[str]:
 
 
 def _creator_gone(path: str) -> bool:
-    pid, dash, _ = os.path.basename(path)[len(_DIR_PREFIX) :].partition("-")
-    if not (dash and pid.isdigit()):
+    creator, dash, _ = os.path.basename(path)[len(_DIR_PREFIX) :].partition("-")
+    pid, _, ns = creator.partition(".")
+    if not (dash and pid.isdigit() and ns == str(pid_namespace())):
         return False
     try:
         st = os.lstat(path)
@@ -109,6 +112,17 @@ def parent_alive(parent: int) -> bool:
     """True while `parent` is still this process's parent. Unlike `pid_alive`, a new
     process that got the dead parent's pid cannot fool it: an orphan's parent changes."""
     return os.getppid() == parent
+
+
+@functools.cache
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of /proc/self/ns/pid; 0 where unknown).
+    Names that carry a creator's pid carry this too: in another namespace (a container
+    sharing /dev/shm or /tmp) the same pid is another process."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def pid_alive(pid: int) -> bool:

@@ -10,7 +10,7 @@ import os
 
 import posix_ipc
 
-from ipc.runtime import pid_alive
+from ipc.runtime import pid_alive, pid_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Segment:
     def create(cls, prefix: str, size: int) -> Segment:
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
-        name = f"/{prefix}.{os.getpid()}.{next(_counter)}"
+        name = f"/{prefix}.{os.getpid()}.{pid_namespace()}.{next(_counter)}"
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
         try:
             mm = mmap.mmap(shm.fd, size)
@@ -105,10 +105,10 @@ def list_segments(prefix: str) -> list[str]:
 def sweep_stale(tag: str) -> list[str]:
     """Remove this user's segments of `tag` whose creating process no longer runs.
 
-    Names are `/<tag>_<...>.<creator pid>.<n>`. A starting owner calls this for its
-    own tag: segments survive SIGKILL, and only their creator would have unlinked them.
-    /dev/shm is shared between users: another user's segments are left alone, and a name
-    that cannot be removed is logged and skipped.
+    Names are `/<tag>_<...>.<creator pid>.<its PID namespace>.<n>`. A starting owner
+    calls this for its own tag: segments survive SIGKILL, and only their creator would
+    have unlinked them. /dev/shm may be shared with other users and other PID namespaces:
+    their segments are left alone, and a name that cannot be removed is logged and skipped.
     """
     removed = [name for name in list_segments(tag + "_") if _is_stale(name) and _remove(name)]
     if removed:
@@ -117,16 +117,18 @@ def sweep_stale(tag: str) -> list[str]:
 
 
 def _is_stale(name: str) -> bool:
-    """This user's segment, and its creator is gone."""
-    parts = name.rsplit(".", 2)
-    pid = parts[1] if len(parts) == 3 else ""
-    if not pid.isdigit():
+    """This user's segment, made in this PID namespace, and its creator is gone."""
+    creator = name.rsplit(".", 3)[1:-1]  # [pid, PID namespace]
+    if len(creator) == 1:  # a name from before namespaces were named
+        creator.append(str(pid_namespace()))
+    if len(creator) != 2 or not all(f.isdigit() for f in creator):
         return False
+    pid, ns = map(int, creator)
     try:
         uid = os.stat(SHM_DIR + name).st_uid
     except OSError:  # gone meanwhile
         return False
-    return uid == os.getuid() and not pid_alive(int(pid))
+    return uid == os.getuid() and ns == pid_namespace() and not pid_alive(pid)
 
 
 def _remove(name: str) -> bool:
