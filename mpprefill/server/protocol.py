@@ -9,6 +9,9 @@ Frame sizes, three tiers (the server's socket enforces the last one):
 | > MAX_WIRE_BYTES                        | ZeroMQ drops it and the connection before    |
 |                                         | allocating it (ZMQ_MAXMSGSIZE): no reply     |
 
+An error reply carries at most MAX_RID_CHARS of the rid and MAX_ERROR_CHARS of the reason,
+whatever the frame held: a refused frame's rid may be of any length.
+
 The server's ROUTER (`bind_server_socket`), and why each limit is there:
 
 - REPLY_HWM: replies queued per client. A client that never reads fills its queue; the
@@ -33,6 +36,7 @@ from mpprefill.sampling import SamplingParams
 MAX_FRAME_BYTES = 4 << 20
 MAX_WIRE_BYTES = 2 * MAX_FRAME_BYTES
 MAX_RID_CHARS = 256
+MAX_ERROR_CHARS = 1024
 MAX_ROOM = 2**63 - 1  # bootstrap rooms are int64 on every transfer backend
 REPLY_HWM = 8192
 REQUEST_HWM = 256
@@ -155,7 +159,10 @@ def abort_frame(rid: str) -> bytes:
 
 def _short(value: Any, limit: int = 80) -> str:
     """repr() for an error message, cut so a hostile value cannot bloat the reply."""
-    text = repr(value)
+    return _cut(repr(value), limit)
+
+
+def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -172,7 +179,9 @@ def done_reply(rid: str, first_token: int, prompt_tokens: int, cached_tokens: in
 
 
 def error_reply(rid: str | None, error: str) -> bytes:
-    return _dump({"rid": rid, "status": "error", "error": error})
+    """NOTE: the rid and the reason are cut, so a reply stays small whatever was sent."""
+    rid = rid[:MAX_RID_CHARS] if rid is not None else None
+    return _dump({"rid": rid, "status": "error", "error": _cut(error, MAX_ERROR_CHARS)})
 
 
 def _dump(obj: dict) -> bytes:

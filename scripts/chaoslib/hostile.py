@@ -104,4 +104,4 @@ _BUILDERS = {
 
 def _huge_rid(rid: str) -> Hostile:
     long = rid + "x" * 10_000
-    return Hostile("huge-rid", [_json(_gen(long))], long)
+    return Hostile("huge-rid", [_json(_gen(long))], long[: protocol.MAX_RID_CHARS])
