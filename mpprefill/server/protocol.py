@@ -4,9 +4,9 @@ Frame sizes, three tiers (the server's socket enforces the last one):
 
 | frame size                              | what happens                                 |
 |-----------------------------------------|----------------------------------------------|
-| <= MAX_FRAME_BYTES                      | parsed; a bad frame gets an error reply      |
+| <= MAX_FRAME_BYTES (4 MiB)              | parsed; a bad frame gets an error reply      |
 | MAX_FRAME_BYTES < n <= MAX_WIRE_BYTES   | not parsed; error reply (rid from its head)  |
-| > MAX_WIRE_BYTES                        | ZeroMQ drops it and the connection before    |
+| > MAX_WIRE_BYTES (64 MiB)               | ZeroMQ drops it and the connection before    |
 |                                         | allocating it (ZMQ_MAXMSGSIZE): no reply     |
 
 An error reply carries at most MAX_RID_CHARS of the rid and MAX_ERROR_CHARS of the reason,
@@ -18,7 +18,8 @@ The server's ROUTER (`bind_server_socket`), and why each limit is there:
   ROUTER is mandatory, so a further reply raises instead of queueing and is counted
   and logged as dropped. Its request was released before: server memory stays flat.
 - REQUEST_HWM: frames queued per client before TCP pushes back on the client; with
-  MAX_WIRE_BYTES it bounds what one client can make the server buffer.
+  MAX_WIRE_BYTES it bounds what one client can make the server buffer (REQUEST_HWM frames
+  of up to MAX_WIRE_BYTES each).
 - It binds where `--host` says: 127.0.0.1 by default, loopback only.
 """
 
@@ -34,7 +35,7 @@ import zmq
 from mpprefill.sampling import SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20
-MAX_WIRE_BYTES = 2 * MAX_FRAME_BYTES
+MAX_WIRE_BYTES = 64 << 20
 MAX_RID_CHARS = 256
 MAX_ERROR_CHARS = 1024
 MAX_ROOM = 2**63 - 1  # bootstrap rooms are int64 on every transfer backend
@@ -77,7 +78,7 @@ def parse_frame(frame: bytes | memoryview) -> Generate | Abort | Stats:
     """Parse one frame; ProtocolError (with the rid when readable) for anything unusable."""
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(
-            f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}",
+            f"frame of {len(frame)} bytes exceeds the limit of {MAX_FRAME_BYTES} bytes",
             sniff_rid(bytes(frame[:SNIFF_BYTES])),
         )
     try:

@@ -26,6 +26,8 @@ from mpprefill.worker.factory import make_worker
 
 logger = logging.getLogger(__name__)
 MAX_FRAMES_PER_POLL = protocol.REQUEST_HWM
+# Bytes one poll reads before the scheduler validates what it read (one frame may cross it).
+MAX_BYTES_PER_POLL = protocol.MAX_FRAME_BYTES
 DROP_LOG_EVERY = 1000  # past the first few, one log line per this many drops or bad frames
 
 
@@ -62,18 +64,23 @@ class PrefillServer:
     # ---- socket side ---------------------------------------------------------------------
 
     def _recv(self) -> list[Req]:
-        self._read_frames(MAX_FRAMES_PER_POLL)
+        self._read_frames()
         reqs, self._arriving = list(self._arriving.values()), {}
         return reqs
 
-    def _read_frames(self, limit: int) -> int:
-        for n in range(limit):
+    def _read_frames(self) -> int:
+        """Handle frames until the socket is empty or one poll's frames or bytes are read."""
+        nbytes = 0
+        for n in range(MAX_FRAMES_PER_POLL):
+            if nbytes >= MAX_BYTES_PER_POLL:
+                return n
             try:
                 parts = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return n
+            nbytes += sum(len(p) for p in parts[1:])
             self._on_message(parts[0].bytes, parts[1:])
-        return limit
+        return MAX_FRAMES_PER_POLL
 
     def _on_message(self, ident: bytes, frames: list[zmq.Frame]) -> None:
         if len(frames) != 1:
@@ -197,7 +204,7 @@ class PrefillServer:
         """
         self._closing = reason
         while max_frames > 0:
-            n = self._read_frames(MAX_FRAMES_PER_POLL)
+            n = self._read_frames()
             if n == 0 and not self.sock.poll(50):
                 break
             max_frames -= max(n, 1)

@@ -1,4 +1,4 @@
-"""Hostile clients: huge rids."""
+"""Hostile clients: huge rids, frames of many MiB."""
 
 from __future__ import annotations
 
@@ -61,4 +61,23 @@ def test_an_oversize_frame_echoes_at_most_the_rid_limit(server):
     assert json.loads(raw)["rid"] == rid[: protocol.MAX_RID_CHARS]
     assert len(raw) < SMALL_REPLY
     sock.close(linger=0)
+
+
+@pytest.mark.parametrize("size", [15 << 20, 64 << 20], ids=["15MB", "64MiB"])
+def test_a_frame_of_many_mib_gets_a_clear_error(server, size):
+    """A 5M-token prompt is some 15 MB of JSON; up to the wire limit it gets an answer."""
+    head = b'{"type": "generate", "rid": "many-mib", "input_ids": ['
+    frame = head + b"1," * ((size - len(head) - 3) // 2) + b"1]}"
+    frame += b" " * (size - len(frame))
+    assert len(frame) == size
+    sock = dealer(server.port)
+    sock.send(frame)
+    reply = recv_json(sock, 30)
+    assert reply is not None, "the frame was dropped without a reply"
+    assert reply["rid"] == "many-mib" and reply["status"] == "error"
+    assert f"frame of {size} bytes exceeds" in reply["error"]
+    sock.close(linger=0)
+    client = server.client()
+    assert client.stats()["status"] == "stats"  # and the server goes on
+    client.close()
 
