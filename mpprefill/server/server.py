@@ -2,6 +2,7 @@
 
 Socket limits and frame sizes: protocol.py; signals: signals.py. Every request gets
 exactly one reply: a transfer the decode side never answers fails by its sender's deadline.
+Only the client that sent a generate (its ROUTER identity) may abort it.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class PrefillServer:
             self._admit(ident, msg)
 
     def _abort(self, ident: bytes, rid: str) -> None:
+        if self._owner.get(rid) != ident:  # another client's request is unknown to this one
+            self._send(ident, protocol.error_reply(rid, "unknown rid"))
+            return
         req = self._arriving.pop(rid, None)
         if req is not None:  # arrived in this same poll: never reached the scheduler
             req.error = "aborted by client"

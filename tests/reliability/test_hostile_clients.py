@@ -1,4 +1,4 @@
-"""Hostile clients: huge rids, frames of many MiB."""
+"""Hostile clients: huge rids, frames of many MiB, aborts of another client's request."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from mpprefill.bench.procs import free_port
 from mpprefill.server import protocol
-from tests.reliability.helpers import Serve, dealer, recv_json
+from tests.reliability.helpers import Serve, dealer, recv_json, wait_live
 
 pytestmark = pytest.mark.timeout(120)
 HUGE_RID = "h" + "x" * (3 << 20)  # a 3 MB rid
@@ -81,3 +81,15 @@ def test_a_frame_of_many_mib_gets_a_clear_error(server, size):
     assert client.stats()["status"] == "stats"  # and the server goes on
     client.close()
 
+
+def test_only_the_owner_may_abort_a_request(server):
+    owner, other = server.client(), server.client()
+    owner.generate("owned", [1, 2, 3], bootstrap_room=11)  # waits for its decode side
+    assert wait_live(owner, 1)["queues"]["live"] == 1
+    other.abort("owned")
+    assert other.recv(10) == {"rid": "owned", "status": "error", "error": "unknown rid"}
+    assert owner.stats()["queues"]["live"] == 1  # still waiting, not aborted
+    owner.abort("owned")
+    assert owner.recv(10) == {"rid": "owned", "status": "error", "error": "aborted by client"}
+    owner.close()
+    other.close()
