@@ -1,8 +1,9 @@
 """`mpprefill serve`: the prefill scheduler behind a ZeroMQ ROUTER, with its worker.
 
 Socket limits and frame sizes: protocol.py; signals: signals.py. Every request gets
-exactly one reply: a transfer the decode side never answers fails by its sender's deadline.
-Only the client that sent a generate (its ROUTER identity) may abort it.
+exactly one reply: a transfer the decode side never answers fails by its sender's deadline,
+and a dead worker is noticed, busy or idle. Only the client that sent a generate (its
+ROUTER identity) may abort it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class PrefillServer:
         )
         self.ctx = zmq.Context()
         self.sock = protocol.bind_server_socket(self.ctx, args.host, args.port)
+        self._poller = zmq.Poller()  # the socket, and the worker's death where it has one
+        self._poller.register(self.sock, zmq.POLLIN)
+        if self.worker.sentinel is not None:
+            self._poller.register(self.worker.sentinel, zmq.POLLIN)
         if args.record_batches:
             self.scheduler.metrics.batch_shapes = []
         self._owner: dict[str, bytes] = {}  # rid -> client identity, until replied
@@ -65,6 +70,7 @@ class PrefillServer:
     # ---- socket side ---------------------------------------------------------------------
 
     def _recv(self) -> list[Req]:
+        self._check_worker()
         self._read_frames()
         reqs, self._arriving = list(self._arriving.values()), {}
         return reqs
@@ -82,6 +88,12 @@ class PrefillServer:
             nbytes += sum(len(p) for p in parts[1:])
             self._on_message(parts[0].bytes, parts[1:])
         return MAX_FRAMES_PER_POLL
+
+    def _check_worker(self) -> None:
+        """WorkerDied once the worker is gone, whether or not a forward is in flight."""
+        death = self.worker.death()
+        if death is not None:
+            raise WorkerDied(death)
 
     def _on_message(self, ident: bytes, frames: list[zmq.Frame]) -> None:
         if len(frames) != 1:
@@ -164,7 +176,8 @@ class PrefillServer:
                 logger.warning("dropped a reply to a client (%s); %d so far", e.strerror, n)
 
     def _wait(self, timeout: float) -> None:
-        self.sock.poll(max(1, int(timeout * 1000)))
+        """Until a frame arrives, the worker dies (`_recv` then raises) or `timeout` passes."""
+        self._poller.poll(max(1, int(timeout * 1000)))
 
     def stats(self) -> dict:
         out = {"forward_mode": self.mode, **scheduler_stats(self.scheduler)}
