@@ -1,9 +1,9 @@
 """`mpprefill serve`: the prefill scheduler behind a ZeroMQ ROUTER, with its worker.
 
-Socket limits and frame sizes: protocol.py; signals: signals.py. Every request gets
-exactly one reply: a transfer the decode side never answers fails by its sender's deadline,
-and a dead worker is noticed, busy or idle. Only the client that sent a generate (its
-ROUTER identity) may abort it.
+Socket limits and frame sizes: protocol.py; signals: signals.py. Every request read from
+the socket gets exactly one reply, at shutdown too: a transfer the decode side never
+answers fails by its sender's deadline, and a dead worker is noticed, busy or idle.
+Only the client that sent a generate (its ROUTER identity) may abort it.
 """
 
 from __future__ import annotations
@@ -214,7 +214,8 @@ class PrefillServer:
         return self.exit_code
 
     def _answer_all(self, reason: str, max_frames: int = 1 << 16) -> None:
-        """Every request live or already sent to the socket gets `reason` as its error.
+        """Every request live, read but not yet live, or already sent to the socket gets
+        `reason` as its error.
 
         NOTE: frames still in kernel buffers reach the ZeroMQ queue in pieces of
         REQUEST_HWM; a short quiet poll tells "drained" from "not yet refilled".
@@ -226,6 +227,9 @@ class PrefillServer:
                 break
             max_frames -= max(n, 1)
         self.scheduler.reqs.fail_all(reason)
+        for rid, ident in list(self._owner.items()):  # read, never made live (a failed loop)
+            del self._owner[rid]
+            self._send(ident, protocol.error_reply(rid, reason))
 
     def _on_signal(self, signum: int) -> None:
         logger.info("signal %d: shutting down", signum)

@@ -1,4 +1,5 @@
-"""The socket front in this process: how much one poll reads."""
+"""The socket front in this process: how much one poll reads, and one reply for every
+request read, also when the loop fails."""
 
 from __future__ import annotations
 
@@ -66,3 +67,22 @@ def test_one_poll_reads_a_bounded_number_of_bytes(front):
     assert sum(counts) == n
     assert max(counts) <= per_poll < n, counts
 
+
+def test_requests_read_but_never_live_are_answered_when_the_loop_fails(front, monkeypatch):
+    srv, client = front()
+    rids = {f"s{i}" for i in range(8)}
+    for rid in sorted(rids):
+        client.generate(rid, [1, 2, 3])
+    _arrived(srv)
+    add_request = srv.scheduler.add_request
+
+    def add_or_fail(req):
+        if req.rid == "s3":
+            raise RuntimeError("injected failure of ingestion")
+        add_request(req)
+
+    monkeypatch.setattr(srv.scheduler, "add_request", add_or_fail)
+    assert srv.serve_forever() == 1
+    replies = client.recv_until(rids, timeout=10)  # s3 and those behind it never went live
+    assert all(replies[f"s{i}"]["error"] == "internal server error" for i in range(3, 8))
+    assert client.sock.poll(300) == 0  # and each answered once
