@@ -4,10 +4,13 @@ Frame sizes, three tiers (the server's socket enforces the last one):
 
 | frame size                              | what happens                                 |
 |-----------------------------------------|----------------------------------------------|
-| <= MAX_FRAME_BYTES                      | parsed; a bad frame gets an error reply      |
+| <= MAX_FRAME_BYTES (4 MiB)              | parsed; a bad frame gets an error reply      |
 | MAX_FRAME_BYTES < n <= MAX_WIRE_BYTES   | not parsed; error reply (rid from its head)  |
-| > MAX_WIRE_BYTES                        | ZeroMQ drops it and the connection before    |
+| > MAX_WIRE_BYTES (64 MiB)               | ZeroMQ drops it and the connection before    |
 |                                         | allocating it (ZMQ_MAXMSGSIZE): no reply     |
+
+An error reply carries at most MAX_RID_CHARS of the rid and MAX_ERROR_CHARS of the reason,
+whatever the frame held: a refused frame's rid may be of any length.
 
 The server's ROUTER (`bind_server_socket`), and why each limit is there:
 
@@ -15,7 +18,8 @@ The server's ROUTER (`bind_server_socket`), and why each limit is there:
   ROUTER is mandatory, so a further reply raises instead of queueing and is counted
   and logged as dropped. Its request was released before: server memory stays flat.
 - REQUEST_HWM: frames queued per client before TCP pushes back on the client; with
-  MAX_WIRE_BYTES it bounds what one client can make the server buffer.
+  MAX_WIRE_BYTES it bounds what one client can make the server buffer (REQUEST_HWM frames
+  of up to MAX_WIRE_BYTES each).
 - It binds where `--host` says: 127.0.0.1 by default, loopback only.
 """
 
@@ -31,8 +35,9 @@ import zmq
 from mpprefill.sampling import SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20
-MAX_WIRE_BYTES = 2 * MAX_FRAME_BYTES
+MAX_WIRE_BYTES = 64 << 20
 MAX_RID_CHARS = 256
+MAX_ERROR_CHARS = 1024
 MAX_ROOM = 2**63 - 1  # bootstrap rooms are int64 on every transfer backend
 REPLY_HWM = 8192
 REQUEST_HWM = 256
@@ -73,7 +78,7 @@ def parse_frame(frame: bytes | memoryview) -> Generate | Abort | Stats:
     """Parse one frame; ProtocolError (with the rid when readable) for anything unusable."""
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(
-            f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}",
+            f"frame of {len(frame)} bytes exceeds the limit of {MAX_FRAME_BYTES} bytes",
             sniff_rid(bytes(frame[:SNIFF_BYTES])),
         )
     try:
@@ -155,7 +160,10 @@ def abort_frame(rid: str) -> bytes:
 
 def _short(value: Any, limit: int = 80) -> str:
     """repr() for an error message, cut so a hostile value cannot bloat the reply."""
-    text = repr(value)
+    return _cut(repr(value), limit)
+
+
+def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -172,7 +180,9 @@ def done_reply(rid: str, first_token: int, prompt_tokens: int, cached_tokens: in
 
 
 def error_reply(rid: str | None, error: str) -> bytes:
-    return _dump({"rid": rid, "status": "error", "error": error})
+    """NOTE: the rid and the reason are cut, so a reply stays small whatever was sent."""
+    rid = rid[:MAX_RID_CHARS] if rid is not None else None
+    return _dump({"rid": rid, "status": "error", "error": _cut(error, MAX_ERROR_CHARS)})
 
 
 def _dump(obj: dict) -> bytes:

@@ -1,7 +1,9 @@
 """`mpprefill serve`: the prefill scheduler behind a ZeroMQ ROUTER, with its worker.
 
-Socket limits and frame sizes: protocol.py; signals: signals.py. Every request gets
-exactly one reply: a transfer the decode side never answers fails by its sender's deadline.
+Socket limits and frame sizes: protocol.py; signals: signals.py. Every request read from
+the socket gets exactly one reply, at shutdown too: a transfer the decode side never
+answers fails by its sender's deadline, and a dead worker is noticed, busy or idle.
+Only the client that sent a generate (its ROUTER identity) may abort it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from mpprefill.worker.factory import make_worker
 
 logger = logging.getLogger(__name__)
 MAX_FRAMES_PER_POLL = protocol.REQUEST_HWM
+# Bytes one poll reads before the scheduler validates what it read (one frame may cross it).
+MAX_BYTES_PER_POLL = protocol.MAX_FRAME_BYTES
 DROP_LOG_EVERY = 1000  # past the first few, one log line per this many drops or bad frames
 
 
@@ -50,6 +54,10 @@ class PrefillServer:
         )
         self.ctx = zmq.Context()
         self.sock = protocol.bind_server_socket(self.ctx, args.host, args.port)
+        self._poller = zmq.Poller()  # the socket, and the worker's death where it has one
+        self._poller.register(self.sock, zmq.POLLIN)
+        if self.worker.sentinel is not None:
+            self._poller.register(self.worker.sentinel, zmq.POLLIN)
         if args.record_batches:
             self.scheduler.metrics.batch_shapes = []
         self._owner: dict[str, bytes] = {}  # rid -> client identity, until replied
@@ -62,18 +70,30 @@ class PrefillServer:
     # ---- socket side ---------------------------------------------------------------------
 
     def _recv(self) -> list[Req]:
-        self._read_frames(MAX_FRAMES_PER_POLL)
+        self._check_worker()
+        self._read_frames()
         reqs, self._arriving = list(self._arriving.values()), {}
         return reqs
 
-    def _read_frames(self, limit: int) -> int:
-        for n in range(limit):
+    def _read_frames(self) -> int:
+        """Handle frames until the socket is empty or one poll's frames or bytes are read."""
+        nbytes = 0
+        for n in range(MAX_FRAMES_PER_POLL):
+            if nbytes >= MAX_BYTES_PER_POLL:
+                return n
             try:
                 parts = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return n
+            nbytes += sum(len(p) for p in parts[1:])
             self._on_message(parts[0].bytes, parts[1:])
-        return limit
+        return MAX_FRAMES_PER_POLL
+
+    def _check_worker(self) -> None:
+        """WorkerDied once the worker is gone, whether or not a forward is in flight."""
+        death = self.worker.death()
+        if death is not None:
+            raise WorkerDied(death)
 
     def _on_message(self, ident: bytes, frames: list[zmq.Frame]) -> None:
         if len(frames) != 1:
@@ -106,6 +126,9 @@ class PrefillServer:
             self._admit(ident, msg)
 
     def _abort(self, ident: bytes, rid: str) -> None:
+        if self._owner.get(rid) != ident:  # another client's request is unknown to this one
+            self._send(ident, protocol.error_reply(rid, "unknown rid"))
+            return
         req = self._arriving.pop(rid, None)
         if req is not None:  # arrived in this same poll: never reached the scheduler
             req.error = "aborted by client"
@@ -153,7 +176,8 @@ class PrefillServer:
                 logger.warning("dropped a reply to a client (%s); %d so far", e.strerror, n)
 
     def _wait(self, timeout: float) -> None:
-        self.sock.poll(max(1, int(timeout * 1000)))
+        """Until a frame arrives, the worker dies (`_recv` then raises) or `timeout` passes."""
+        self._poller.poll(max(1, int(timeout * 1000)))
 
     def stats(self) -> dict:
         out = {"forward_mode": self.mode, **scheduler_stats(self.scheduler)}
@@ -190,18 +214,22 @@ class PrefillServer:
         return self.exit_code
 
     def _answer_all(self, reason: str, max_frames: int = 1 << 16) -> None:
-        """Every request live or already sent to the socket gets `reason` as its error.
+        """Every request live, read but not yet live, or already sent to the socket gets
+        `reason` as its error.
 
         NOTE: frames still in kernel buffers reach the ZeroMQ queue in pieces of
         REQUEST_HWM; a short quiet poll tells "drained" from "not yet refilled".
         """
         self._closing = reason
         while max_frames > 0:
-            n = self._read_frames(MAX_FRAMES_PER_POLL)
+            n = self._read_frames()
             if n == 0 and not self.sock.poll(50):
                 break
             max_frames -= max(n, 1)
         self.scheduler.reqs.fail_all(reason)
+        for rid, ident in list(self._owner.items()):  # read, never made live (a failed loop)
+            del self._owner[rid]
+            self._send(ident, protocol.error_reply(rid, reason))
 
     def _on_signal(self, signum: int) -> None:
         logger.info("signal %d: shutting down", signum)

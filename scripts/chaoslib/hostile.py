@@ -1,16 +1,23 @@
 """Malformed and hostile frames for the chaos run, each with the answer the server owes it.
 
 They are written by hand rather than with `mpprefill.server.protocol`'s builders: most of them are
-frames no builder would make.
+frames no builder would make. Hostile clients send them too: rids of a megabyte (the reply
+carries the first MAX_RID_CHARS), frames of several MiB, and aborts of requests that another
+client owns (refused as "unknown rid"; the request runs on, which the error check sees).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
+from chaoslib.workload import Record
 from mpprefill.server import protocol
+
+HUGE_RID_CHARS = 1 << 20
+ONCE = ("deep-nesting", "oversize", "oversize-mib", "beyond-wire-limit")  # big: sent once
 
 
 @dataclass(slots=True)
@@ -27,12 +34,27 @@ class Hostile:
 def hostile_frames(rng: random.Random, n: int) -> list[Hostile]:
     """`n` hostile messages of every kind, oversize ones rare; rids `bad<i>`."""
     kinds = list(_BUILDERS)
+    repeated = [k for k in kinds if k not in ONCE]
     out = []
     for i in range(n):
-        kind = kinds[i] if i < len(kinds) else rng.choice(kinds[:-3])  # the big ones once
+        kind = kinds[i] if i < len(kinds) else rng.choice(repeated)
         out.append(_BUILDERS[kind](f"bad{i}", rng))
     rng.shuffle(out)
     return out
+
+
+def foreign_abort(
+    rng: random.Random, records: Iterable[Record], taken: Container[str]
+) -> Hostile | None:
+    """An abort, from the hostile client, of a request it does not own: one still unanswered,
+    with no abort of its own planned (so an abort that wrongly lands stays unexplained) and
+    not aimed at before (`taken`)."""
+    victims = [r.rid for r in records if not r.replies and r.abort_stage is None]
+    victims = [rid for rid in victims if rid not in taken]
+    if not victims:
+        return None
+    rid = rng.choice(victims)
+    return Hostile("abort-foreign", [_json(_abort(rid))], rid)
 
 
 def _json(obj) -> bytes:
@@ -49,10 +71,12 @@ def _nested(rid: str, rng) -> Hostile:
     return Hostile("deep-nesting", [head + deep + b"}"], rid)
 
 
-def _oversize(rid: str, rng) -> Hostile:
+def _oversize(
+    rid: str, rng, size: int = protocol.MAX_FRAME_BYTES, kind: str = "oversize"
+) -> Hostile:
     head = b'{"rid": "' + rid.encode() + b'", "type": "generate", "input_ids": ['
-    body = b"1, " * ((protocol.MAX_FRAME_BYTES - len(head)) // 3 + 10) + b"1]}"
-    return Hostile("oversize", [head + body], rid)
+    body = b"1, " * ((size - len(head)) // 3 + 10) + b"1]}"
+    return Hostile(kind, [head + body], rid)
 
 
 def _beyond_wire(rid: str, rng) -> Hostile:
@@ -77,7 +101,9 @@ _BUILDERS = {
     "negative-room": lambda rid, rng: Hostile(
         "negative-room", [_json(_gen(rid, bootstrap_room=-1))], rid
     ),
-    "huge-rid": lambda rid, rng: _huge_rid(rid),
+    "huge-rid": lambda rid, rng: _huge_rid(rid, "huge-rid", _gen),
+    "huge-rid-bad-field": lambda rid, rng: _huge_rid(rid, "huge-rid-bad-field", _gen, x=1),
+    "abort-huge-rid": lambda rid, rng: _huge_rid(rid, "abort-huge-rid", _abort),
     "rid-int": lambda rid, rng: Hostile("rid-int", [_json(_gen(12345))], None),
     "bad-sampling": lambda rid, rng: Hostile(
         "bad-sampling", [_json(_gen(rid, sampling_params={"top_p": "x"}))], rid
@@ -89,19 +115,22 @@ _BUILDERS = {
     "unknown-type": lambda rid, rng: Hostile(
         "unknown-type", [_json({"type": "x", "rid": rid})], rid
     ),
-    "abort-unknown": lambda rid, rng: Hostile(
-        "abort-unknown", [_json({"type": "abort", "rid": rid})], rid
-    ),
+    "abort-unknown": lambda rid, rng: Hostile("abort-unknown", [_json(_abort(rid))], rid),
     "multipart": lambda rid, rng: Hostile("multipart", [_json(_gen(rid)), b"extra"], rid),
     "stats-rid": lambda rid, rng: Hostile(
         "stats-rid", [_json({"type": "stats", "rid": rid})], rid, "stats"
     ),
     "deep-nesting": _nested,
     "oversize": _oversize,
+    "oversize-mib": lambda rid, rng: _oversize(rid, rng, 10 << 20, "oversize-mib"),
     "beyond-wire-limit": _beyond_wire,
 }
 
 
-def _huge_rid(rid: str) -> Hostile:
-    long = rid + "x" * 10_000
-    return Hostile("huge-rid", [_json(_gen(long))], long)
+def _abort(rid) -> dict:
+    return {"type": "abort", "rid": rid}
+
+
+def _huge_rid(rid: str, kind: str, make, **kw) -> Hostile:
+    long = rid + "x" * HUGE_RID_CHARS
+    return Hostile(kind, [_json(make(long, **kw))], long[: protocol.MAX_RID_CHARS])

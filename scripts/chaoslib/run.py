@@ -16,7 +16,7 @@ from collections import Counter, deque
 
 from chaoslib import procs
 from chaoslib.check import Faults, summarize
-from chaoslib.hostile import hostile_frames
+from chaoslib.hostile import foreign_abort, hostile_frames
 from chaoslib.router import ChaosRouter
 from chaoslib.workload import SLOW_EVERY, ChaosWorkload, Record
 from mpprefill.bench.procs import Child, runtime_dir_of, start_decode, start_server, worker_pid
@@ -129,6 +129,8 @@ class ChaosRun:
         n_bad = max(30, a.num_requests // 25)
         for h in hostile_frames(self.rng, n_bad):
             self.events.at(start + self.rng.uniform(0, d), self.send_hostile, h)
+        for _ in range(max(5, n_bad // 4)):
+            self.events.at(start + self.rng.uniform(0, d), self.send_foreign_abort)
         final = [w.request("final") for _ in range(FINAL_REQUESTS + 1)]
         times = sorted(self.rng.uniform(0, 0.95 * d) for _ in normal)
         return list(zip([start + t for t in times], normal)), final
@@ -159,6 +161,12 @@ class ChaosRun:
     def send_hostile(self, h) -> None:
         self.injected["bad-frame"] += 1
         self.router.send_hostile(h)
+
+    def send_foreign_abort(self) -> None:
+        h = foreign_abort(self.rng, self.router.records.values(), self.router.hostiles)
+        self.injected["foreign-abort" if h is not None else "foreign-abort/no-victim"] += 1
+        if h is not None:
+            self.router.send_hostile(h)
 
     def load(self, planned: list[tuple[float, Record]]) -> None:
         queue = deque(planned)

@@ -105,3 +105,14 @@ def recv_json(sock: zmq.Socket, timeout: float) -> dict | None:
     if not sock.poll(int(timeout * 1000)):
         return None
     return json.loads(sock.recv())
+
+
+def wait_live(client: Client, n: int, timeout: float = 10.0) -> dict:
+    """The server's stats once it holds `n` live requests (stats are answered while a poll
+    reads, before the scheduler takes in a generate read in the same poll)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        if stats["queues"]["live"] == n or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
