@@ -1,8 +1,6 @@
 """Chrome trace JSON: merge per-process dumps into one file that Perfetto opens.
 
-Scoped spans become "X" events on their thread. begin/end spans may overlap anything, so they
-go to extra lanes of their process ("<thread>: <name>"), split further where two of them
-overlap, so every lane nests properly. Times are microseconds after the earliest event; the
+Spans become "X" events on their thread. Times are microseconds after the earliest event; the
 clock value of that origin is kept in `otherData.t0_ns`.
 """
 
@@ -15,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpprefill.trace.tracer import DUMP_FORMAT, INSTANT, Tracer
-
-LANE_TID_BASE = 1 << 30  # above any Linux thread id
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +40,7 @@ def read_dump(path: str | os.PathLike) -> dict:
 
 
 def _origin(dumps: list[dict]) -> int:
-    starts = [r[2] for d in dumps for key in ("records", "async_records") for r in d[key]]
-    return min(starts, default=0)
+    return min((r[2] for d in dumps for r in d["records"]), default=0)
 
 
 def _us(ns: int) -> float:
@@ -69,27 +64,10 @@ def _meta(kind: str, pid: int, tid: int, name: str) -> dict:
     return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
 
 
-def _async_lanes(dump: dict, t0: int, next_tid: int) -> tuple[list[dict], int]:
-    """Place begin/end spans on lanes keyed by (thread, name), a new lane per overlap."""
-    pid, events, lanes = dump["pid"], [], {}  # (tid, name) -> [(lane tid, busy until)]
-    for rec in sorted(dump["async_records"], key=lambda r: r[2]):
-        name, tid, start, dur = rec[0], rec[1], rec[2], rec[3]
-        slots = lanes.setdefault((tid, name), [])
-        free = next((i for i, (_, until) in enumerate(slots) if until <= start), None)
-        if free is None:
-            thread = dump["threads"].get(str(tid), str(tid))
-            label = f"{thread}: {name}" + (f" #{len(slots)}" if slots else "")
-            events.append(_meta("thread_name", pid, next_tid, label))
-            slots.append((next_tid, 0))
-            free, next_tid = len(slots) - 1, next_tid + 1
-        slots[free] = (slots[free][0], start + dur)
-        events.append(_event(rec, pid, slots[free][0], t0))
-    return events, next_tid
-
-
 def dump_events(dumps: list[dict]) -> tuple[list[dict], int]:
     """Chrome events of several dumps (one per process) and the origin they share."""
-    t0, events, next_tid = _origin(dumps), [], LANE_TID_BASE
+    t0 = _origin(dumps)
+    events = []
     for sort_index, dump in enumerate(dumps):
         pid = dump["pid"]
         events.append(_meta("process_name", pid, 0, dump["process_name"]))
@@ -100,8 +78,6 @@ def dump_events(dumps: list[dict]) -> tuple[list[dict], int]:
         for tid, name in dump["threads"].items():
             events.append(_meta("thread_name", pid, int(tid), name))
         events.extend(_event(r, pid, r[1], t0) for r in dump["records"])
-        lane_events, next_tid = _async_lanes(dump, t0, next_tid)
-        events.extend(lane_events)
     return events, t0
 
 
@@ -121,11 +97,6 @@ def _parse(data: dict | list) -> tuple[list[dict], int]:
     if data.get("format") == DUMP_FORMAT:
         return dump_events([data])
     return data["traceEvents"], int(data.get("otherData", {}).get("t0_ns", 0))
-
-
-def load(path: str | os.PathLike) -> list[dict]:
-    """Events of a merged trace; a single tracer dump is converted on the fly."""
-    return _parse(json.loads(Path(path).read_text()))[0]
 
 
 def to_spans(events: Iterable[dict], t0_ns: int = 0) -> list[Span]:
