@@ -63,10 +63,8 @@ class _Span:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         t1 = clock_ns()
-        tracer, tid = self.tracer, getattr(_local, "tid", 0) or _thread_id()
-        if tid not in tracer.threads:
-            tracer.name_thread(tid)
-        tracer.records.append((self.name, tid, self.t0, t1 - self.t0, self.seq, self.args))
+        record = (self.name, self.tracer._tid(), self.t0, t1 - self.t0, self.seq, self.args)
+        self.tracer.records.append(record)
 
 
 class Tracer:
@@ -105,11 +103,8 @@ class Tracer:
     def _tid(self) -> int:
         tid = getattr(_local, "tid", 0) or _thread_id()
         if tid not in self.threads:
-            self.name_thread(tid)
+            self.threads[tid] = threading.current_thread().name
         return tid
-
-    def name_thread(self, tid: int) -> None:
-        self.threads[tid] = threading.current_thread().name
 
     def to_dump(self) -> dict:
         live = {t.native_id: t.name for t in threading.enumerate() if t.native_id in self.threads}
