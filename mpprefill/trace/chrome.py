@@ -27,10 +27,6 @@ class Span:
     args: dict | None = None
     instant: bool = False
 
-    @property
-    def dur_ns(self) -> int:
-        return self.end_ns - self.start_ns
-
 
 def read_dump(path: str | os.PathLike) -> dict:
     dump = json.loads(Path(path).read_text())
