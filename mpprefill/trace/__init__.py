@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from mpprefill.trace import chrome
-from mpprefill.trace.summary import OverlapSummary, summarize
+from mpprefill.trace.summary import summarize
 from mpprefill.trace.timeline import draw_timeline
-from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
+from mpprefill.trace.tracer import get_tracer, set_tracer
 
 __all__ = [
-    "OverlapSummary",
-    "Tracer",
     "chrome",
     "draw_timeline",
     "get_tracer",
