@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ipc
 from mpprefill.server.client import Client
@@ -37,7 +37,6 @@ class Child:
     proc: subprocess.Popen
     port: int
     log_path: str
-    extra: dict = field(default_factory=dict)
 
     def stop(self, timeout: float = 10.0) -> int:
         return terminate(self.proc, timeout)

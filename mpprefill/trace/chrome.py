@@ -56,8 +56,8 @@ def _event(rec: list, pid: int, tid: int, t0: int) -> dict:
     return ev
 
 
-def _meta(kind: str, pid: int, tid: int, name: str) -> dict:
-    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+def _meta(kind: str, pid: int, tid: int, **args) -> dict:
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": args}
 
 
 def dump_events(dumps: list[dict]) -> tuple[list[dict], int]:
@@ -66,13 +66,10 @@ def dump_events(dumps: list[dict]) -> tuple[list[dict], int]:
     events = []
     for sort_index, dump in enumerate(dumps):
         pid = dump["pid"]
-        events.append(_meta("process_name", pid, 0, dump["process_name"]))
-        order = {"sort_index": sort_index}
-        events.append(
-            {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": order}
-        )
+        events.append(_meta("process_name", pid, 0, name=dump["process_name"]))
+        events.append(_meta("process_sort_index", pid, 0, sort_index=sort_index))
         for tid, name in dump["threads"].items():
-            events.append(_meta("thread_name", pid, int(tid), name))
+            events.append(_meta("thread_name", pid, int(tid), name=name))
         events.extend(_event(r, pid, r[1], t0) for r in dump["records"])
     return events, t0
 
