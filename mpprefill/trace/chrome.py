@@ -121,13 +121,11 @@ class Trace:
         return cls(to_spans(events, t0_ns), threads)
 
 
-def read(source: str | os.PathLike | list | dict | Tracer | Trace) -> Trace:
+def read(source: str | os.PathLike | list | dict | Tracer) -> Trace:
     """A `Trace` from a merged trace or dump path, chrome events, or tracers/dumps in memory.
 
     Chrome events without `otherData` keep microseconds after their own origin.
     """
-    if isinstance(source, Trace):
-        return source
     if isinstance(source, (str, os.PathLike)):
         return Trace.from_events(*_parse(json.loads(Path(source).read_text())))
     items = source if isinstance(source, list) else [source]
