@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ipc
 from mpprefill.server.client import Client
@@ -37,7 +37,6 @@ class Child:
     proc: subprocess.Popen
     port: int
     log_path: str
-    extra: dict = field(default_factory=dict)
 
     def stop(self, timeout: float = 10.0) -> int:
         return terminate(self.proc, timeout)
@@ -56,41 +55,33 @@ class Child:
             return ""
 
 
-def _spawn(name: str, args: list[str], log_dir: str) -> tuple:
+def _start(name: str, flags: list[str], log_dir: str, timeout: float, probe) -> Child:
+    """Spawn `mpprefill name`, then call probe(client) until it stops timing out."""
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}-{port}.log")
-    log = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed with it
-    cmd = [sys.executable, "-m", "mpprefill", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    return proc, port, log_path
+    cmd = [sys.executable, "-m", "mpprefill", name, *flags, "--port", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    child = Child(name, proc, port, log_path)
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        _wait_ready(child, lambda: probe(client), timeout)
+    finally:
+        client.close()
+    return child
 
 
 def start_server(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
-    proc, port, log_path = _spawn("serve", ["serve", *flags], log_dir)
-    child = Child("serve", proc, port, log_path)
-    client = Client(f"127.0.0.1:{port}")
-    try:
-        _wait_ready(child, lambda: client.stats(timeout=1.0), timeout)
-    finally:
-        client.close()
-    return child
+    return _start("serve", flags, log_dir, timeout, lambda client: client.stats(timeout=1.0))
 
 
 def start_decode(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
-    proc, port, log_path = _spawn("decode", ["decode", *flags], log_dir)
-    child = Child("decode", proc, port, log_path)
-    client = Client(f"127.0.0.1:{port}")
+    return _start("decode", flags, log_dir, timeout, _ping)
 
-    def ping():
-        client.send({"type": "ping"})
-        client.recv(timeout=1.0)
 
-    try:
-        _wait_ready(child, ping, timeout)
-    finally:
-        client.close()
-    return child
+def _ping(client: Client) -> None:
+    client.send({"type": "ping"})
+    client.recv(timeout=1.0)
 
 
 def _wait_ready(child: Child, probe, timeout: float) -> None:

@@ -11,7 +11,7 @@ import sys
 from mpprefill.bench.runner import BenchConfig, run_mode
 from mpprefill.bench.suite import make_workload, parse_modes, server_args
 from mpprefill.config import FORWARD_MODES
-from mpprefill.trace import chrome, summarize
+from mpprefill.trace import chrome, draw_timeline, summarize
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -46,8 +46,6 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def _draw(merged: dict[str, str], png: str, iterations: int) -> None:
     try:
-        from mpprefill.trace import draw_timeline
-
         draw_timeline(
             merged, png, window=iterations, title="scheduler and worker lanes, steady state"
         )

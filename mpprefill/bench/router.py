@@ -52,10 +52,10 @@ class Router:
         self.ctx = zmq.Context.instance()
         self.prefill = dealer(self.ctx, prefill_port)
         self.decode = dealer(self.ctx, decode_port) if decode_port is not None else None
+        self.sockets = [s for s in (self.prefill, self.decode) if s is not None]
         self.poller = zmq.Poller()
-        for s in (self.prefill, self.decode):
-            if s is not None:
-                self.poller.register(s, zmq.POLLIN)
+        for s in self.sockets:
+            self.poller.register(s, zmq.POLLIN)
 
     def send_register(self, rid: str, room: int, input_ids: list[int]) -> None:
         """Tell the decode side which request will fill `room`."""
@@ -130,6 +130,5 @@ class Router:
             r.status = "done"
 
     def close(self) -> None:
-        for s in (self.prefill, self.decode):
-            if s is not None:
-                s.close(linger=0)
+        for s in self.sockets:
+            s.close(linger=0)

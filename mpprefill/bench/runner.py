@@ -16,6 +16,32 @@ from mpprefill.config import ServerArgs
 from mpprefill.server.client import Client
 
 SCHED_PHASES = ("A", "P", "S", "snapshot", "submit", "early-send", "inflight")
+_DECODE_VALUES = (
+    "page_size",
+    "max_total_tokens",
+    "random_seed",
+    "disaggregation_transfer_backend",
+    "model_path",
+    "sliding_window",
+    "swa_layers",
+)
+_SERVE_VALUES = (
+    *_DECODE_VALUES,
+    "chunked_prefill_size",
+    "max_running_requests",
+    "max_prefill_tokens",
+    "worker_threads",
+    "device",
+    "staging",
+    "swa_full_tokens_ratio",
+    "context_length",
+)
+_SERVE_SWITCHES = (
+    "delay_sampling",
+    "disable_batched_writeback",
+    "swa_free_out_of_window",
+    "disable_radix_cache",
+)
 
 
 @dataclass
@@ -30,47 +56,13 @@ class BenchConfig:
 
     def server_flags(self, mode: str, record: str | None) -> list[str]:
         a = self.server
-        flags = [
-            "--forward-mode",
-            mode,
-            "--page-size",
-            a.page_size,
-            "--chunked-prefill-size",
-            a.chunked_prefill_size,
-            "--max-running-requests",
-            a.max_running_requests,
-            "--max-total-tokens",
-            a.max_total_tokens,
-            "--max-prefill-tokens",
-            a.max_prefill_tokens,
-            "--disaggregation-transfer-backend",
-            a.disaggregation_transfer_backend,
-            "--worker-threads",
-            a.worker_threads,
-            "--random-seed",
-            a.random_seed,
-            "--device",
-            a.device,
-            "--staging",
-            a.staging,
-            "--swa-full-tokens-ratio",
-            a.swa_full_tokens_ratio,
-            "--check-invariants",
-            "--log-level",
-            "warning",
-        ]
-        flags += _optional(a, "model_path", "context_length", "sliding_window", "swa_layers")
+        flags = ["--forward-mode", mode, "--check-invariants", "--log-level", "warning"]
+        flags += _values(a, *_SERVE_VALUES)
+        flags += _switches(a, *_SERVE_SWITCHES)
         if a.device == "emulated":
             flags += ["--emulate-model", a.emulate_model, "--emulate-gpu", a.emulate_gpu]
-        if a.delay_sampling:
-            flags.append("--delay-sampling")
         if a.host_store_size:
             flags += ["--host-store-size", a.host_store_size]
-        if a.disable_batched_writeback:
-            flags.append("--disable-batched-writeback")
-        for name in ("swa_free_out_of_window", "disable_radix_cache"):
-            if getattr(a, name):
-                flags.append("--" + name.replace("_", "-"))
         if record:
             flags += ["--record-batches", record]
         if self.trace_dir:
@@ -79,19 +71,7 @@ class BenchConfig:
 
     def decode_flags(self) -> list[str]:
         a = self.server
-        flags = [
-            "--page-size",
-            a.page_size,
-            "--max-total-tokens",
-            a.max_total_tokens,
-            "--random-seed",
-            a.random_seed,
-            "--disaggregation-transfer-backend",
-            a.disaggregation_transfer_backend,
-            "--log-level",
-            "warning",
-        ]
-        flags += _optional(a, "model_path", "sliding_window", "swa_layers")
+        flags = ["--log-level", "warning", *_values(a, *_DECODE_VALUES)]
         if a.device == "emulated":
             flags += ["--emulate-model", a.emulate_model]
         if self.verify:
@@ -99,13 +79,21 @@ class BenchConfig:
         return [str(f) for f in flags]
 
 
-def _optional(args, *names: str) -> list:
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _values(args, *names: str) -> list:
     """`--flag value` for each of these fields that is set."""
     flags = []
     for name in names:
         if getattr(args, name) is not None:
-            flags += ["--" + name.replace("_", "-"), getattr(args, name)]
+            flags += [_flag(name), getattr(args, name)]
     return flags
+
+
+def _switches(args, *names: str) -> list[str]:
+    return [_flag(n) for n in names if getattr(args, n)]
 
 
 def run_mode(cfg: BenchConfig, mode: str, work: Workload, record: str | None = None) -> dict:
@@ -167,7 +155,11 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
     device_s = c1["device_s"] - c0["device_s"]
     new_gaps = c1["handoff_n"] - c0["handoff_n"]
     gaps = c1["handoff_gaps_ms"][-new_gaps:] if new_gaps > 0 else []
-    sched_s = sum(c1["phase_s"].get(p, 0.0) - c0["phase_s"].get(p, 0.0) for p in SCHED_PHASES)
+    phase_s = {
+        p: c1["phase_s"].get(p, 0.0) - c0["phase_s"].get(p, 0.0)
+        for p in (*SCHED_PHASES, "host-retire")
+    }
+    sched_s = sum(phase_s[p] for p in SCHED_PHASES)
     ttft = [r.ttft_s * 1e3 for r in done]
     return {
         "mode": mode,
@@ -194,10 +186,7 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
         "device_busy_frac": device_s / duration,
         "handoff_gap_ms": stats.percentile(gaps, 50) if gaps else 0.0,
         "handoff_batches": len(gaps),
-        "phase_ms_per_batch": {
-            p: (c1["phase_s"].get(p, 0.0) - c0["phase_s"].get(p, 0.0)) / max(batches, 1) * 1e3
-            for p in (*SCHED_PHASES, "host-retire")
-        },
+        "phase_ms_per_batch": {p: s / max(batches, 1) * 1e3 for p, s in phase_s.items()},
         "uncached_tokens": prompt - cached,
         "prompt_tokens": prompt,
         "cached_tokens": cached,

@@ -41,7 +41,6 @@ class ReqToTokenPool:
         self._free.append(idx)
 
     def write(self, idx: int, start: int, slots: Tensor) -> None:
-        """req_to_token[idx, start : start + len(slots)] = slots."""
         end = start + len(slots)
         if self._is_free[idx] or not 0 <= start <= end <= self.max_context_len:
             raise IndexError(f"bad write to row {idx} [{start}, {end})")

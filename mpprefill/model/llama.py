@@ -109,10 +109,6 @@ class LlamaForCausalLM(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.requires_grad_(False).eval()
 
-    @property
-    def device(self) -> torch.device:
-        return self.tok_embeddings.weight.device
-
     @torch.inference_mode()
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """Seeded normal(0, std) weights and unit norms; same seed, same bits, any process."""

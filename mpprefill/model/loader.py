@@ -33,22 +33,23 @@ def load_model(
 
     `sliding_window` / `swa_layers` (the flags) turn layers into sliding-window layers.
     """
+    model = LlamaForCausalLM(_config(model_path, sliding_window, swa_layers), device=device)
     if model_path is None:
-        config = with_sliding_window(ModelConfig.tiny(), sliding_window, swa_layers)
-        model = LlamaForCausalLM(config, device=device)
         model.init_random_weights(seed)
         return model
-    config = with_sliding_window(read_config(model_path), sliding_window, swa_layers)
-    model = LlamaForCausalLM(config, device=device)
     load_hf_weights(model, read_safetensors(model_path))
-    logger.info("loaded %s from %s", config.architecture, model_path)
+    logger.info("loaded %s from %s", model.config.architecture, model_path)
     return model
 
 
 def config_from_args(args: ServerArgs) -> ModelConfig:
     """The config the server's flags name, sliding-window flags applied, without weights."""
-    base = ModelConfig.tiny() if args.model_path is None else read_config(args.model_path)
-    return with_sliding_window(base, args.sliding_window, args.swa_layers)
+    return _config(args.model_path, args.sliding_window, args.swa_layers)
+
+
+def _config(model_path: str | None, sliding_window: int | None, swa_layers: str | None):
+    base = ModelConfig.tiny() if model_path is None else read_config(model_path)
+    return with_sliding_window(base, sliding_window, swa_layers)
 
 
 def model_from_args(args: ServerArgs, device: torch.device | str) -> LlamaForCausalLM:

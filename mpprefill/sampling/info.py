@@ -10,15 +10,6 @@ import torch
 from mpprefill.sampling.params import GREEDY_EPS, SamplingParams
 
 # NOTE: the order is the wire order of a staging slot; append only.
-PACKED_FIELDS: tuple[str, ...] = (
-    "temperatures",
-    "top_ps",
-    "top_ks",
-    "min_ps",
-    "seeds",
-    "has_seed",
-)
-
 _DTYPES: dict[str, torch.dtype] = {
     "temperatures": torch.float32,
     "top_ps": torch.float32,
@@ -27,6 +18,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "seeds": torch.int64,
     "has_seed": torch.bool,
 }
+PACKED_FIELDS: tuple[str, ...] = tuple(_DTYPES)
 
 
 def _row_shape(name: str) -> tuple[int, ...]:
@@ -87,9 +79,7 @@ class SamplingBatchInfo:
 
         The tensors are viewed, not copied; `all_greedy` is recomputed from the rows.
         """
-        rows = {name: tensors[name] for name in PACKED_FIELDS}
-        if batch_size is not None:
-            rows = {name: t[:batch_size] for name, t in rows.items()}
+        rows = {name: tensors[name][:batch_size] for name in PACKED_FIELDS}
         greedy = greedy_rows(rows["temperatures"], rows["top_ks"])
         return cls(**rows, all_greedy=bool(greedy.all()))
 

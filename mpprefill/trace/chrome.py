@@ -1,8 +1,6 @@
 """Chrome trace JSON: merge per-process dumps into one file that Perfetto opens.
 
-Scoped spans become "X" events on their thread. begin/end spans may overlap anything, so they
-go to extra lanes of their process ("<thread>: <name>"), split further where two of them
-overlap, so every lane nests properly. Times are microseconds after the earliest event; the
+Spans become "X" events on their thread. Times are microseconds after the earliest event; the
 clock value of that origin is kept in `otherData.t0_ns`.
 """
 
@@ -15,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpprefill.trace.tracer import DUMP_FORMAT, INSTANT, Tracer
-
-LANE_TID_BASE = 1 << 30  # above any Linux thread id
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +27,6 @@ class Span:
     args: dict | None = None
     instant: bool = False
 
-    @property
-    def dur_ns(self) -> int:
-        return self.end_ns - self.start_ns
-
 
 def read_dump(path: str | os.PathLike) -> dict:
     dump = json.loads(Path(path).read_text())
@@ -44,8 +36,7 @@ def read_dump(path: str | os.PathLike) -> dict:
 
 
 def _origin(dumps: list[dict]) -> int:
-    starts = [r[2] for d in dumps for key in ("records", "async_records") for r in d[key]]
-    return min(starts, default=0)
+    return min((r[2] for d in dumps for r in d["records"]), default=0)
 
 
 def _us(ns: int) -> float:
@@ -65,43 +56,21 @@ def _event(rec: list, pid: int, tid: int, t0: int) -> dict:
     return ev
 
 
-def _meta(kind: str, pid: int, tid: int, name: str) -> dict:
-    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
-
-
-def _async_lanes(dump: dict, t0: int, next_tid: int) -> tuple[list[dict], int]:
-    """Place begin/end spans on lanes keyed by (thread, name), a new lane per overlap."""
-    pid, events, lanes = dump["pid"], [], {}  # (tid, name) -> [(lane tid, busy until)]
-    for rec in sorted(dump["async_records"], key=lambda r: r[2]):
-        name, tid, start, dur = rec[0], rec[1], rec[2], rec[3]
-        slots = lanes.setdefault((tid, name), [])
-        free = next((i for i, (_, until) in enumerate(slots) if until <= start), None)
-        if free is None:
-            thread = dump["threads"].get(str(tid), str(tid))
-            label = f"{thread}: {name}" + (f" #{len(slots)}" if slots else "")
-            events.append(_meta("thread_name", pid, next_tid, label))
-            slots.append((next_tid, 0))
-            free, next_tid = len(slots) - 1, next_tid + 1
-        slots[free] = (slots[free][0], start + dur)
-        events.append(_event(rec, pid, slots[free][0], t0))
-    return events, next_tid
+def _meta(kind: str, pid: int, tid: int, **args) -> dict:
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": args}
 
 
 def dump_events(dumps: list[dict]) -> tuple[list[dict], int]:
     """Chrome events of several dumps (one per process) and the origin they share."""
-    t0, events, next_tid = _origin(dumps), [], LANE_TID_BASE
+    t0 = _origin(dumps)
+    events = []
     for sort_index, dump in enumerate(dumps):
         pid = dump["pid"]
-        events.append(_meta("process_name", pid, 0, dump["process_name"]))
-        order = {"sort_index": sort_index}
-        events.append(
-            {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": order}
-        )
+        events.append(_meta("process_name", pid, 0, name=dump["process_name"]))
+        events.append(_meta("process_sort_index", pid, 0, sort_index=sort_index))
         for tid, name in dump["threads"].items():
-            events.append(_meta("thread_name", pid, int(tid), name))
+            events.append(_meta("thread_name", pid, int(tid), name=name))
         events.extend(_event(r, pid, r[1], t0) for r in dump["records"])
-        lane_events, next_tid = _async_lanes(dump, t0, next_tid)
-        events.extend(lane_events)
     return events, t0
 
 
@@ -121,11 +90,6 @@ def _parse(data: dict | list) -> tuple[list[dict], int]:
     if data.get("format") == DUMP_FORMAT:
         return dump_events([data])
     return data["traceEvents"], int(data.get("otherData", {}).get("t0_ns", 0))
-
-
-def load(path: str | os.PathLike) -> list[dict]:
-    """Events of a merged trace; a single tracer dump is converted on the fly."""
-    return _parse(json.loads(Path(path).read_text()))[0]
 
 
 def to_spans(events: Iterable[dict], t0_ns: int = 0) -> list[Span]:
@@ -157,13 +121,11 @@ class Trace:
         return cls(to_spans(events, t0_ns), threads)
 
 
-def read(source: str | os.PathLike | list | dict | Tracer | Trace) -> Trace:
+def read(source: str | os.PathLike | list | dict | Tracer) -> Trace:
     """A `Trace` from a merged trace or dump path, chrome events, or tracers/dumps in memory.
 
     Chrome events without `otherData` keep microseconds after their own origin.
     """
-    if isinstance(source, Trace):
-        return source
     if isinstance(source, (str, os.PathLike)):
         return Trace.from_events(*_parse(json.loads(Path(source).read_text())))
     items = source if isinstance(source, list) else [source]

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from mpprefill.trace import chrome
+from mpprefill.trace.tracer import Tracer
 
 FORWARD = "F"
 SCHED_WORK = ("A", "P", "S", "snapshot", "early-send", "inflight")
@@ -123,7 +124,7 @@ def _phases(clipped, lane: Lane | None, num_batches: int) -> tuple[dict, dict]:
 
 
 def summarize(
-    source: str | os.PathLike | list | chrome.Trace,
+    source: str | os.PathLike | list | Tracer,
     *,
     queue_samples: Iterable[tuple[int, int]] | None = None,
     window_ns: tuple[int, int] | None = None,

@@ -99,7 +99,7 @@ def _draw_lane(ax, spans, y: float, win: tuple[int, int], colors: dict[str, str]
 
 
 def draw_timeline(
-    traces: dict[str, str | os.PathLike | list | chrome.Trace],
+    traces: dict[str, str | os.PathLike | list],
     out_png: str | os.PathLike,
     window: Window = 4,
     *,

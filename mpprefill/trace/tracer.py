@@ -4,7 +4,7 @@ NOTE: `time.monotonic_ns()` is `clock_gettime(CLOCK_MONOTONIC)` on Linux, one cl
 process on the machine, so dumps from the scheduler and its spawned worker merge without any
 offset. (`perf_counter_ns` reads the same clock on Linux, but not on every platform.)
 
-Disabled, `span/begin/end/instant` are plain module functions bound on the instance: no
+Disabled, `span/instant` are plain module functions bound on the instance: no
 clock read, no allocation of our own, one shared no-op context manager.
 """
 
@@ -47,14 +47,6 @@ def _null_span(name, seq=-1, **args):
     return NULL_SPAN
 
 
-def _null_begin(name, seq=-1, **args):
-    return None
-
-
-def _null_end(token):
-    return None
-
-
 def _null_instant(name, **args):
     return None
 
@@ -71,10 +63,8 @@ class _Span:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         t1 = clock_ns()
-        tracer, tid = self.tracer, getattr(_local, "tid", 0) or _thread_id()
-        if tid not in tracer.threads:
-            tracer.name_thread(tid)
-        tracer.records.append((self.name, tid, self.t0, t1 - self.t0, self.seq, self.args))
+        record = (self.name, self.tracer._tid(), self.t0, t1 - self.t0, self.seq, self.args)
+        self.tracer.records.append(record)
 
 
 class Tracer:
@@ -83,7 +73,6 @@ class Tracer:
     def __init__(self, process_name: str, enabled: bool = False):
         self.process_name = process_name
         self.records: list[Record] = []
-        self.async_records: list[Record] = []  # begin/end spans: may overlap anything
         self.threads: dict[int, str] = {}
         self.enabled = enabled
 
@@ -94,26 +83,15 @@ class Tracer:
     @enabled.setter
     def enabled(self, on: bool) -> None:
         self._enabled = bool(on)
-        fast = ("span", "begin", "end", "instant")
         if on:
-            for attr in fast:
+            for attr in ("span", "instant"):
                 self.__dict__.pop(attr, None)
         else:
-            self.span, self.begin = _null_span, _null_begin
-            self.end, self.instant = _null_end, _null_instant
+            self.span = _null_span
+            self.instant = _null_instant
 
     def span(self, name: str, seq: int = -1, **args) -> _Span:
         return _Span(self, name, seq, args or None)
-
-    def begin(self, name: str, seq: int = -1, **args) -> tuple | None:
-        """Start a span that `end(token)` closes, possibly from another call or thread."""
-        return (name, seq, args or None, self._tid(), clock_ns())
-
-    def end(self, token: tuple | None) -> None:
-        if token is None:
-            return
-        name, seq, args, tid, t0 = token
-        self.async_records.append((name, tid, t0, clock_ns() - t0, seq, args))
 
     def record(self, name: str, start_ns: int, dur_ns: int, seq: int = -1) -> None:
         """A span measured by the caller on `clock_ns` (callers check `enabled` first)."""
@@ -125,11 +103,8 @@ class Tracer:
     def _tid(self) -> int:
         tid = getattr(_local, "tid", 0) or _thread_id()
         if tid not in self.threads:
-            self.name_thread(tid)
+            self.threads[tid] = threading.current_thread().name
         return tid
-
-    def name_thread(self, tid: int) -> None:
-        self.threads[tid] = threading.current_thread().name
 
     def to_dump(self) -> dict:
         live = {t.native_id: t.name for t in threading.enumerate() if t.native_id in self.threads}
@@ -139,7 +114,6 @@ class Tracer:
             "pid": os.getpid(),
             "threads": {str(tid): live.get(tid, name) for tid, name in self.threads.items()},
             "records": [list(r) for r in self.records],
-            "async_records": [list(r) for r in self.async_records],
         }
 
     def dump_name(self) -> str:

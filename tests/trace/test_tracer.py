@@ -34,11 +34,8 @@ def test_disabled_tracer_records_nothing():
     with tracer.span("A", 1, n=3) as s:
         assert s is NULL_SPAN
     assert tracer.span("P") is tracer.span("S")
-    tok = tracer.begin("transfer", 2)
-    assert tok is None
-    tracer.end(tok)
     tracer.instant("queue", waiting=3)
-    assert tracer.records == [] and tracer.async_records == [] and tracer.threads == {}
+    assert tracer.records == [] and tracer.threads == {}
 
 
 def test_enable_toggle_and_record_shape():
@@ -47,13 +44,10 @@ def test_enable_toggle_and_record_shape():
     with tracer.span("A", 5, bs=2):
         pass
     tracer.instant("queue", waiting=4)
-    tok = tracer.begin("transfer", 5)
-    tracer.end(tok)
     (name, tid, start, dur, seq, args), inst = tracer.records
     assert (name, seq, args) == ("A", 5, {"bs": 2}) and dur >= 0 and start <= clock_ns()
     assert tid == threading.get_native_id() and tracer.threads[tid] == "MainThread"
     assert inst[0] == "queue" and inst[3] == INSTANT and inst[5] == {"waiting": 4}
-    assert tracer.async_records[0][0] == "transfer" and tracer.async_records[0][4] == 5
     tracer.enabled = False
     with tracer.span("A"):
         pass
@@ -124,7 +118,6 @@ def test_two_processes_merge_into_one_chrome_trace(tmp_path):
     out = chrome.merge([sched_dump, child_dump], tmp_path / "merged.json")
     data = json.loads(out.read_text())
     events = data["traceEvents"]
-    assert events == chrome.load(out)
     spans = [e for e in events if e["ph"] == "X"]
     pids = {e["pid"] for e in spans}
     assert pids == {os.getpid(), proc.pid}
@@ -148,25 +141,3 @@ def test_two_processes_merge_into_one_chrome_trace(tmp_path):
     for e in fwd:
         assert before <= t0 + e["ts"] * 1000 <= after
         assert a["ts"] <= e["ts"] <= p["ts"]
-
-
-def test_begin_end_spans_get_nesting_lanes(tmp_path):
-    tracer = Tracer("scheduler", enabled=True)
-    tracer.records.append(("A", 7, 100, 50, 0, None))
-    tracer.threads[7] = "MainThread"
-    # transfers overlap each other and A without nesting
-    tracer.async_records += [("transfer", 7, 90, 40, 0, None), ("transfer", 7, 110, 60, 1, None)]
-    tracer.async_records.append(("transfer", 7, 140, 10, 2, None))
-    path = tracer.dump(tmp_path / "s.json")
-    trace = chrome.read(path)
-    lanes = {}
-    for s in trace.spans:
-        lanes.setdefault(s.tid, []).append(s)
-    assert sorted(len(v) for v in lanes.values()) == [1, 1, 2]
-    for spans in lanes.values():  # every lane nests: no partial overlaps
-        spans.sort(key=lambda s: s.start_ns)
-        for x, y in zip(spans, spans[1:]):
-            assert y.start_ns >= x.end_ns or y.end_ns <= x.end_ns
-    names = {n for (_, tid), n in trace.threads.items() if tid != 7}
-    assert names == {"MainThread: transfer", "MainThread: transfer #1"}
-    assert [s.start_ns for s in trace.spans if s.name == "A"] == [100]
