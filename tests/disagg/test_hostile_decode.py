@@ -17,7 +17,7 @@ from ipc.shm import SHM_DIR
 from mpprefill.bench.procs import free_port
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.mooncake_backend import check_session
+from mpprefill.disagg.mooncake_backend import MooncakeUnavailable, check_session
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.disagg.shm_backend import ShmPool, kv_shape
 from tests.disagg.helpers import PAGE, FakeReq, bootstrap, send_chunks, wait_state
@@ -91,7 +91,7 @@ def decode_pool(pool):
 
 @pytest.fixture
 def backend(pool, peer):
-    b = make_transfer("shm", pool[0], PAGE, peer.address, transfer_timeout=30.0)
+    b = make_transfer("shm", pool[0], PAGE, peer.address)
     yield b
     b.close()
 
@@ -107,36 +107,42 @@ def _answer(backend, peer, room: int, reply: dict | bytes):
     return s, ident
 
 
-def _bad_replies(desc: dict, room: int) -> dict[str, dict | bytes]:
+def _bad_reply(kind: str, desc: dict, room: int) -> dict | bytes:
     handle = desc["handle"]
     no_shape = {k: v for k, v in handle.items() if k != "shape"}
     missing = {**handle, "name": "/mppdecode_999999999_abcdef.999999999.0"}
-    return {
-        "handle-without-shape": _ready(room, {**desc, "handle": no_shape}),
-        "handle-a-list": _ready(room, {**desc, "handle": [1, 2]}),
-        "shape-of-lists": _ready(room, {**desc, "handle": {**handle, "shape": [[1]]}}),
-        "no-such-segment": _ready(room, {**desc, "handle": missing}),
-        "layout-a-number": _ready(room, {**desc, "layout": 5}),
-        "no-instance": {**_ready(room, desc), "instance": ""},
-        "page-beyond-int64": json.dumps({**_ready(room, desc), "dst_pages": [2**63]}).encode(),
+    replies = {
+        "handle-without-shape": lambda: _ready(room, {**desc, "handle": no_shape}),
+        "handle-a-list": lambda: _ready(room, {**desc, "handle": [1, 2]}),
+        "shape-of-lists": lambda: _ready(room, {**desc, "handle": {**handle, "shape": [[1]]}}),
+        "no-such-segment": lambda: _ready(room, {**desc, "handle": missing}),
+        "layout-a-number": lambda: _ready(room, {**desc, "layout": 5}),
+        "no-instance": lambda: {**_ready(room, desc), "instance": ""},
+        "page-beyond-int64": lambda: json.dumps({**_ready(room, desc), "dst_pages": [2**63]}),
     }
+    reply = replies[kind]()
+    return reply.encode() if isinstance(reply, str) else reply
 
 
-def test_a_bad_bootstrap_reply_fails_its_room_only(backend, peer, decode_pool):
+BAD_REPLIES = [
+    "handle-without-shape",
+    "handle-a-list",
+    "shape-of-lists",
+    "no-such-segment",
+    "layout-a-number",
+    "no-instance",
+    "page-beyond-int64",
+]
+
+
+@pytest.mark.parametrize("kind", BAD_REPLIES)
+def test_a_bad_bootstrap_reply_fails_its_room_only(kind, backend, peer, decode_pool):
     desc = decode_pool.describe()
-    for i, (kind, reply) in enumerate(_bad_replies(desc, 0).items()):
-        room = 100 + i
-        if isinstance(reply, dict):
-            reply = {**reply, "room": room}
-        else:
-            reply = reply.replace(b'"room": 0', f'"room": {room}'.encode())
-        s, _ = _answer(backend, peer, room, reply)
-        assert wait_state(s, KVPoll.Failed, timeout=5) == KVPoll.Failed, kind
-        assert s.target is None, kind
-        assert backend.death is None, kind
-    s, _ = _answer(backend, peer, 200, _ready(200, desc))
-    assert wait_state(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
-    backend.raise_if_dead()
+    s, _ = _answer(backend, peer, 100, _bad_reply(kind, desc, 100))
+    assert wait_state(s, KVPoll.Failed, timeout=5) == KVPoll.Failed
+    assert s.target is None
+    good, _ = _answer(backend, peer, 101, _ready(101, desc))  # the next room still works
+    assert wait_state(good, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
 
 
 def _segments_to_refuse(layout: wire.PoolLayout, dtype: torch.dtype, stack):
@@ -158,23 +164,28 @@ def _segments_to_refuse(layout: wire.PoolLayout, dtype: torch.dtype, stack):
     ]
 
 
-def test_only_a_whole_decode_pool_segment_is_written(pool, backend, peer, decode_pool):
+FOREIGN = ["the prefill's own pool", "inside a decode pool", "part of a decode pool",
+           "a link to the own pool"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", FOREIGN)
+def test_only_a_whole_decode_pool_segment_is_written(case, pool, backend, peer, decode_pool):
     kv, prompts = pool
     layout = wire.PoolLayout.of(kv.buffer, PAGE, kv.num_layers)
     opened = []
     try:
         cases = _segments_to_refuse(layout, kv.dtype, lambda x: opened.append(x) or x)
+        kind, handle, tensor = next(c for c in cases if c[0] == case)
+        room, p = 300, prompts[0]
         desc = decode_pool.describe()
-        for i, (kind, handle, tensor) in enumerate(cases):
-            room, p = 300 + i, prompts[0]
-            s, _ = _answer(backend, peer, room, _ready(room, {**desc, "handle": handle}, 8))
-            state = wait_state(s, (KVPoll.Failed, KVPoll.WaitingForInput), timeout=5)
-            if state == KVPoll.WaitingForInput:  # it would write there: show that it does
-                bootstrap(s, p)
-                send_chunks(s, p)
-                peer.expect("transfer_done", room)
-            assert state == KVPoll.Failed and "decode" in s.failure_reason(), kind
-            assert not tensor.any(), kind
+        s, _ = _answer(backend, peer, room, _ready(room, {**desc, "handle": handle}, 8))
+        state = wait_state(s, (KVPoll.Failed, KVPoll.WaitingForInput), timeout=5)
+        if state == KVPoll.WaitingForInput:  # it would write there: show that it does
+            bootstrap(s, p)
+            send_chunks(s, p)
+            peer.expect("transfer_done", room)
+        assert not tensor.any()
+        assert state == KVPoll.Failed and "decode" in s.failure_reason()
     finally:
         for x in opened:
             if isinstance(x, str):
@@ -183,6 +194,24 @@ def test_only_a_whole_decode_pool_segment_is_written(pool, backend, peer, decode
                 x.close()
                 if isinstance(x, ipc.SharedTensor):
                     x.unlink()
+
+
+def test_mooncake_refuses_its_own_session(pool, peer):
+    """A peer naming the prefill's own engine and KV pool as the decode's is refused."""
+    try:
+        b = make_transfer("mooncake", pool[0], PAGE, peer.address)
+    except MooncakeUnavailable as e:
+        pytest.skip(f"mooncake transfer engine unavailable: {e}")
+    try:
+        kv = pool[0]
+        layout = wire.PoolLayout.of(kv.buffer, PAGE, kv.num_layers)
+        own = {"kind": "mooncake", "layout": layout.to_dict(), "session_id": b.session_id,
+               "base": kv.buffer.data_ptr()}  # fmt: skip
+        s, _ = _answer(b, peer, 700, _ready(700, own))
+        assert wait_state(s, (KVPoll.Failed, KVPoll.WaitingForInput)) == KVPoll.Failed
+        assert "not a decode receiver's" in s.failure_reason()
+    finally:
+        b.close()
 
 
 def test_mooncake_writes_only_to_a_session_on_the_decode_host():
