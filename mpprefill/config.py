@@ -78,6 +78,9 @@ class ServerArgs:
         " worker is treated as dead; not enforced on the inline worker (normal, overlap)",
         aliases=("--watchdog-timeout",),
     )
+    transfer_timeout: float = _f(
+        300.0, "seconds a request's KV may take from its first page sent to the decode's ack"
+    )
     random_seed: int = _f(0, "seed of the built-in model's weights")
     record_batches: str | None = _f(None, "on exit, write every batch's shape (JSON) here")
     log_level: str = _f("info", "logging level")
@@ -130,6 +133,8 @@ class ServerArgs:
             raise ValueError("--host-store-size must be 0 or hold at least one page")
         if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend: one of {TRANSFER_BACKENDS}")
+        if min(self.bootstrap_timeout, self.transfer_timeout) <= 0:
+            raise ValueError("--bootstrap-timeout and --transfer-timeout must be positive")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"--sliding-window must be positive, got {self.sliding_window}")
         if not 0 < self.swa_full_tokens_ratio <= 1:

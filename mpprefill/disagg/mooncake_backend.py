@@ -3,6 +3,8 @@
 Both pools are registered with an engine (the prefill's whole KVCache.storage: its full and
 sliding-window pools). The decode side describes its pool by session id and base address;
 the prefill thread writes every (K/V, layer, run of pages) chunk, addressed per plane.
+The peer names the session written to, so only a session on the decode address's host,
+and never the prefill's own, is accepted (`check_session`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from mpprefill.disagg.planes import PoolPlanes
 from mpprefill.disagg.transfer import DEFAULT_DECODE_ADDRESS, TransferBackend
-from mpprefill.disagg.wire import PoolLayout
+from mpprefill.disagg.wire import PoolLayout, quote
 from mpprefill.memory.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,23 @@ def _register(engine, t: torch.Tensor) -> None:
     rc = engine.register_memory(t.data_ptr(), t.numel() * t.element_size())
     if rc != 0:
         raise MooncakeUnavailable(f"register_memory failed ({rc})")
+
+
+def check_session(session: str, decode_host: str, own_session: str) -> None:
+    """ValueError unless `session` (host:port) is on the host of `--decode-address` and is
+    not this prefill's own engine (whose registered memory is its KV pool)."""
+    host, _, port = session.rpartition(":")
+    if not port.isdigit() or session == own_session:
+        raise ValueError(f"mooncake session {quote(session)} is not a decode receiver's")
+    if _address(host) != _address(decode_host):
+        raise ValueError(f"mooncake session {quote(session)} is not on {decode_host}")
+
+
+def _address(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
 
 
 def local_host_for(remote_host: str) -> str:
@@ -113,6 +132,7 @@ class MooncakeTransfer(TransferBackend):
         **kw,
     ):
         decode_host = (decode_address or DEFAULT_DECODE_ADDRESS).rsplit(":", 1)[0]
+        self.decode_host = decode_host
         host = local_host or local_host_for(decode_host)
         self.engine, self.session_id = start_engine(host)
         _register(self.engine, kv.storage)
@@ -124,7 +144,8 @@ class MooncakeTransfer(TransferBackend):
         layout = PoolLayout.from_dict(pool.get("layout"))
         session, base = pool.get("session_id"), pool.get("base")
         if not isinstance(session, str) or not isinstance(base, int) or base <= 0:
-            raise ValueError(f"bad mooncake pool: session {session!r}, base {base!r}")
+            raise ValueError(f"bad mooncake pool: session {quote(session)}, base {quote(base)}")
+        check_session(session, self.decode_host, self.session_id)
         return layout, (session, base, layout)
 
     def _write(self, remote, src_pages: torch.Tensor, dst_pages: torch.Tensor, planes=None):

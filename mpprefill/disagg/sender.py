@@ -17,6 +17,10 @@ class KVPoll(enum.IntEnum):
     Success = 4
 
 
+class TransferDied(RuntimeError):
+    """The transfer backend's thread failed: no request can move its KV any more."""
+
+
 class KVSender:
     """One request's KV on its way to the decode side.
 
@@ -47,6 +51,11 @@ class KVSender:
 
     def failure_reason(self) -> str:
         return "transfer failed"
+
+    def settled(self) -> bool:
+        """No thread of the backend reads the request's pages any more (its pages may be
+        released); asked once `poll` says Success or Failed."""
+        return True
 
     def pop_decode_prefix_len(self) -> int:
         return 0
@@ -89,6 +98,9 @@ class FakeTransfer:
 
     def create_sender(self, req) -> KVSender:
         return FakeSender()
+
+    def raise_if_dead(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

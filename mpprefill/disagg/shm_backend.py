@@ -1,24 +1,35 @@
 """shm backend: the decode pool is a POSIX shared-memory segment the prefill side maps.
 
 Decode side: `ShmPool` creates the segment and describes it by its tensor handle.
-Prefill side: `ShmTransfer` opens the handle once and copies pages straight into it.
+Prefill side: `ShmTransfer` opens the handle once and copies pages straight into it, after
+`check_decode_segment`: the peer names the segment, so only one that a decode receiver
+of this user made for its pool is written (never the prefill's own KV pool or staging).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
+import re
+import stat
 
 import torch
 
 import ipc
+from ipc.handle import dtype_from_name
+from ipc.shm import SHM_DIR
 from mpprefill.disagg.planes import PoolPlanes, flat_index, plane_view
 from mpprefill.disagg.transfer import TransferBackend
-from mpprefill.disagg.wire import PoolLayout
+from mpprefill.disagg.wire import PoolLayout, quote
 from mpprefill.memory.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
 DECODE_SHM_TAG = "mppdecode"
+# ipc.new_prefix(DECODE_SHM_TAG) + Segment.create: /mppdecode_<pid>_<hex>.<same pid>.<n>,
+# or with the creator's PID namespace before <n>
+_DECODE_SEGMENT = re.compile(rf"/{DECODE_SHM_TAG}_(\d+)_[0-9a-f]+\.(\d+)(\.\d+)?\.\d+")
 
 
 # NOTE: copies go through [planes, num_pages, page_size * heads * head_dim] views (planes.py):
@@ -30,6 +41,26 @@ _STAGE_BYTES = 64 << 20  # largest gather staged at once; bigger sends go in par
 
 def kv_shape(layout: PoolLayout) -> tuple[int, int, int, int, int]:
     return KVCache.shape(layout.num_layers, layout.num_slots, layout.num_kv_heads, layout.head_dim)
+
+
+def check_decode_segment(handle: ipc.TensorHandle) -> None:
+    """ValueError unless `handle` is a whole decode pool segment: named as `ShmPool` names
+    its own, a regular file of this user, viewed from offset 0 and exactly its size."""
+    m = _DECODE_SEGMENT.fullmatch(handle.name)
+    if m is None or m[1] != m[2]:
+        raise ValueError(f"segment {quote(handle.name)} is not a decode receiver's pool")
+    itemsize = torch.empty((), dtype=dtype_from_name(handle.dtype)).element_size()
+    nbytes = math.prod(handle.shape) * itemsize
+    if handle.offset != 0 or handle.nbytes != nbytes:
+        raise ValueError(f"decode pool handle at offset {handle.offset} of {handle.nbytes} bytes")
+    try:
+        st = os.lstat(os.path.join(SHM_DIR, handle.name.lstrip("/")))
+    except OSError as e:
+        raise ValueError(f"decode pool {handle.name}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise ValueError(f"decode pool {handle.name} is not a segment of this user")
+    if st.st_size != nbytes:
+        raise ValueError(f"decode pool {handle.name} has {st.st_size} bytes, not {nbytes}")
 
 
 class ShmPool:
@@ -81,6 +112,7 @@ class ShmTransfer(TransferBackend):
             raise ValueError(f"decode pool of {layout.num_slots} slots is not whole pages")
         if handle.kind != "shm" or handle.shape != shape or handle.dtype != layout.dtype:
             raise ValueError(f"decode pool handle {handle.shape} {handle.dtype} != layout {shape}")
+        check_decode_segment(handle)
         self._release()  # a restarted decode side has a new segment
         self._remote = plane_view(ipc.open_handle(handle), layout.page_size)
         self._handle = handle

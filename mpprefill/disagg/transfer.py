@@ -2,11 +2,17 @@
 
 The scheduler thread only enqueues (`create_sender`, `send`, `abort`) and reads sender
 states; the decode socket, bootstrap retries, page copies and acks live on the thread.
+
+Whatever answers at the decode address is trusted with nothing: a reply it cannot use
+fails its room only, a pool it names is checked by `_attach`, and an ack counts only from
+the receiver's run (`instance`) that answered the room's bootstrap. The thread itself
+failing is fatal: `raise_if_dead` raises TransferDied in the scheduler's loop.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -16,7 +22,7 @@ import zmq
 
 from mpprefill.disagg import wire
 from mpprefill.disagg.planes import pool_planes
-from mpprefill.disagg.sender import KVPoll
+from mpprefill.disagg.sender import KVPoll, TransferDied
 from mpprefill.disagg.transfer_sender import (
     CommandQueue,
     SenderLimits,
@@ -48,9 +54,12 @@ class TransferBackend:
         dead_timeout: float = 5.0,
         heartbeat_interval: float = 0.5,
         fence=None,
+        transfer_timeout: float = math.inf,
     ) -> None:
         """`bootstrap_timeout`: how long each sender waits for the decode side's answer to
-        its bootstrap and to its final send (TransferSender.poll). `fence` (the worker's
+        its bootstrap and to its final send (TransferSender.poll); `transfer_timeout`: how
+        long a sender may stay Transferring, from its first send to the ack (this thread
+        fails it). `fence` (the worker's
         `kv_fence`, optional): `required(pages)` names the forward a send's pages need, on
         the scheduler thread; `wait(gen)` blocks the transfer thread until it completed, so
         no page is read while a forward still writes it (window pages: see
@@ -66,13 +75,16 @@ class TransferBackend:
         self.layout = wire.PoolLayout.of(kv.buffer, page_size, kv.num_layers)
         self.full_planes, self.swa_planes = pool_planes(kv, page_size)
         swa_pages = None if self.swa_planes is None else self.swa_planes.num_pages
-        self.limits = SenderLimits(self.layout.num_pages, swa_pages, bootstrap_timeout)
+        self.limits = SenderLimits(
+            self.layout.num_pages, swa_pages, bootstrap_timeout, transfer_timeout
+        )
         self.commands = CommandQueue(fence)
         self._live: dict[int, TransferSender] = {}  # transfer thread only, as are:
         self._next_try: dict[int, float] = {}  # room -> when to send its bootstrap again
         self._last_heard = 0.0
         self._last_ping = 0.0
         self._closed = False
+        self.death: str | None = None  # why the thread failed
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.name}", daemon=True)
         self._thread.start()
@@ -84,11 +96,17 @@ class TransferBackend:
         sender = TransferSender(str(req.rid), room, self.commands, self.limits)
         if room is None:
             sender.fail("the request has no bootstrap_room")
-        elif self._closed or not self._thread.is_alive():
-            sender.fail("the transfer backend is closed")
+        elif self.death is not None or self._closed or not self._thread.is_alive():
+            sender.fail(self.death or "the transfer backend is closed")
         else:
+            sender.hand_over()
             self.commands.put(TransferCmd("start", sender))
         return sender
+
+    def raise_if_dead(self) -> None:
+        """TransferDied once the thread has failed: no request could send its KV again."""
+        if self.death is not None:
+            raise TransferDied(self.death)
 
     def close(self, timeout: float = 5.0) -> None:
         if self._closed:
@@ -123,25 +141,39 @@ class TransferBackend:
     # ---- transfer thread --------------------------------------------------------------
 
     def _run(self) -> None:
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(f"tcp://{self.decode_address}")
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self.commands.wake_fd, zmq.POLLIN)
+        self._poller = zmq.Poller()
+        self._poller.register(self.commands.wake_fd, zmq.POLLIN)
+        self._sock = None
+        self._connect()
         try:
             while True:
-                events = dict(poller.poll(20 if self._live else 200))
+                events = dict(self._poller.poll(20 if self._live else 200))
                 if self.commands.wake_fd in events:
                     self.commands.clear_wake()
                 if not self._run_commands():
                     break
                 self._read_socket()
                 self._tick(time.monotonic())
-        except Exception:
+        except Exception as e:
+            self.death = wire.brief(f"the KV transfer thread failed: {type(e).__name__}: {e}")
             logger.exception("KV transfer thread failed")
         finally:
             self._shutdown()
+
+    def _connect(self) -> None:
+        """A fresh DEALER to the decode address, in place of the last one.
+
+        NOTE: ZeroMQ closes a link that brings a frame over MAXMSGSIZE and never
+        reconnects it; `_tick` replaces a link that stays silent instead.
+        """
+        if self._sock is not None:
+            self._poller.unregister(self._sock)
+            self._sock.close(linger=0)
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+        self._sock.connect(f"tcp://{self.decode_address}")
+        self._poller.register(self._sock, zmq.POLLIN)
 
     def _run_commands(self) -> bool:
         while True:
@@ -155,22 +187,28 @@ class TransferBackend:
                 self._start(cmd.sender)
             elif cmd.kind == "send":
                 self._send_pages(cmd, after)
-            else:
-                self._drop(cmd.sender.room)
+            elif self._live.get(cmd.sender.room) is cmd.sender:
+                self._drop(cmd.sender)
                 self._post(wire.Abort(cmd.sender.room))
+            else:
+                cmd.sender.let_go()
 
     def _start(self, s: TransferSender) -> None:
         if s.room in self._live:
             s.fail(f"bootstrap room {s.room} is already in use")
+            s.let_go()
             return
         if not self._live:
             self._last_heard = time.monotonic()  # silence while idle does not count
         self._live[s.room] = s
         self._next_try[s.room] = 0.0  # at once
 
-    def _drop(self, room: int) -> None:
-        self._live.pop(room, None)
-        self._next_try.pop(room, None)
+    def _drop(self, s: TransferSender) -> None:
+        """The thread lets go of `s`: none of its pages is read after this."""
+        if self._live.get(s.room) is s:
+            del self._live[s.room]
+            self._next_try.pop(s.room, None)
+        s.let_go()
 
     def _send_pages(self, cmd: TransferCmd, after: int = 0) -> None:
         s = cmd.sender
@@ -181,6 +219,8 @@ class TransferBackend:
             if len(cmd.src) or window:
                 if after:
                     self.fence.wait(after)  # the forward that wrote these pages completed
+                    if not s.is_live:  # aborted meanwhile: its pages may be freed soon
+                        return
                 t0 = clock_ns()
                 if len(self.full_planes.view):  # none when every layer slides
                     self._write(s.target, cmd.src, cmd.dst)
@@ -195,7 +235,8 @@ class TransferBackend:
             return
         s.wrote(len(cmd.src))
         if cmd.last:
-            self._post(wire.TransferDone(s.room, int(cmd.first_token), s.pages_sent))
+            s.awaiting_ack = True
+            self._post(wire.TransferDone(s.room, int(cmd.first_token), s.pages_sent, s.instance))
 
     def _read_socket(self) -> None:
         while True:
@@ -208,43 +249,65 @@ class TransferBackend:
                 msg = wire.decode(frame)
             except wire.WireError as e:
                 logger.warning("bad frame from the decode side: %s", e)
+                if e.room in self._live:
+                    self._fail(self._live[e.room], f"bad frame from the decode side: {e}")
                 continue
-            self._on_message(msg)
+            s = self._live.get(getattr(msg, "room", None))
+            try:
+                self._on_message(s, msg)
+            except Exception as e:  # a peer's message fails its room, never this thread
+                why = wire.brief(f"{type(e).__name__}: {e}")
+                logger.warning("unusable %s from the decode side: %s", type(msg).__name__, why)
+                if s is not None:
+                    self._fail(s, f"unusable {type(msg).__name__}: {why}")
 
-    def _on_message(self, msg: wire.Message) -> None:
-        s = self._live.get(getattr(msg, "room", None))
+    def _on_message(self, s: TransferSender | None, msg: wire.Message) -> None:
         if isinstance(msg, wire.BootstrapReply) and s is not None:
             self._on_bootstrap_reply(s, msg)
         elif isinstance(msg, wire.Ack) and s is not None:
-            self._drop(s.room)
-            s.succeed() if msg.ok else s.fail(f"decode side refused: {msg.error}")
+            self._on_ack(s, msg)
         elif isinstance(msg, wire.Abort):
             if s is not None:
-                self._drop(s.room)
+                self._drop(s)
                 s.fail("aborted by the decode side")
             self._post(wire.Abort(msg.room))  # confirms: nothing more is written for the room
         elif isinstance(msg, wire.ErrorReply) and s is not None:
-            self._fail(s, f"decode side error: {msg.error}")
+            self._fail(s, f"decode side error: {wire.brief(msg.error)}")
         elif isinstance(msg, wire.ErrorReply) and msg.room is None:
-            logger.warning("decode side error: %s", msg.error)
+            logger.warning("decode side error: %s", wire.brief(msg.error))
+
+    def _on_ack(self, s: TransferSender, msg: wire.Ack) -> None:
+        """Only the receiver run that answered the bootstrap acks, and only after the last
+        send: another run never saw the room's pages."""
+        if not s.awaiting_ack or msg.instance != s.instance:
+            why = "before the last send" if not s.awaiting_ack else "from another decode run"
+            self._fail(s, f"ack {why} (instance {wire.quote(msg.instance)})")
+        elif msg.ok:
+            self._drop(s)
+            s.succeed()
+        else:
+            self._drop(s)
+            s.fail(f"decode side refused: {wire.brief(msg.error or '')}")
 
     def _on_bootstrap_reply(self, s: TransferSender, msg: wire.BootstrapReply) -> None:
         if msg.status == "unknown":
             self._next_try[s.room] = time.monotonic() + _RETRY_S
         elif msg.status == "error":
-            self._fail(s, f"bootstrap refused: {msg.error}")
+            self._fail(s, f"bootstrap refused: {wire.brief(msg.error or '')}")
         elif s.state == KVPoll.Bootstrapping:
             try:
                 target, dst = self._check_reply(msg)
-            except (ValueError, wire.WireError) as e:
-                self._fail(s, f"unusable bootstrap reply: {e}")
+            except Exception as e:  # whatever the peer sent, only this room fails
+                self._fail(s, f"unusable bootstrap reply: {type(e).__name__}: {e}")
                 return
             prefix = msg.decode_prefix_len
-            s.ready(target, dst, prefix, prefix // self.page_size)
+            s.ready(target, dst, prefix, prefix // self.page_size, msg.instance)
 
     def _check_reply(self, msg: wire.BootstrapReply) -> tuple[object, torch.Tensor]:
         if msg.pool is None:
             raise ValueError("no pool in the reply")
+        if not msg.instance:
+            raise ValueError("no decode instance in the reply")
         remote, target = self._attach(msg.pool)
         why = self.layout.mismatch(remote)
         if why:
@@ -263,11 +326,19 @@ class TransferBackend:
             silent = now - self._last_heard
             for s in list(self._live.values()):
                 self._fail(s, f"decode at {self.decode_address} silent for {silent:.1f} s")
+            self._connect()
             return
         if now - self._last_ping >= self.heartbeat_interval:
             self._post(wire.Ping())
             self._last_ping = now
+        self._expire(now)
         self._ask_again(now)
+
+    def _expire(self, now: float) -> None:
+        """Fail senders Transferring past their deadline, whatever the decode side says."""
+        late = [s for s in self._live.values() if now > s.transfer_by]
+        for s in late:
+            self._fail(s, f"KV transfer not done within {self.limits.transfer_timeout:.1f} s")
 
     def _ask_again(self, now: float) -> None:
         """Bootstrap rooms without an answer again: the router may not have registered them
@@ -278,9 +349,11 @@ class TransferBackend:
                 self._next_try[room] = now + _RESEND_S
 
     def _fail(self, s: TransferSender, reason: str) -> None:
-        """Fail a live sender from the thread and tell the decode side to free its room."""
-        self._drop(s.room)
-        if s.fail(reason):
+        """Fail a sender from the thread and tell the decode side to free its room (once:
+        a sender leaves `_live` only here, on an answer, or with its abort posted)."""
+        was_live = self._live.get(s.room) is s
+        self._drop(s)
+        if s.fail(reason) or was_live:
             self._post(wire.Abort(s.room))
 
     def _post(self, msg: wire.Message) -> None:
@@ -290,14 +363,16 @@ class TransferBackend:
             logger.debug("decode socket full; dropped %s", type(msg).__name__)
 
     def _shutdown(self) -> None:
+        why = self.death or "the transfer backend is closed"
         for s in list(self._live.values()):
-            self._fail(s, "the transfer backend is closed")
+            self._fail(s, why)
         while True:  # left behind by a crash, or sent after close
             try:
                 cmd, _ = self.commands.get()
             except queue.Empty:
                 break
             if cmd is not None:
-                cmd.sender.fail("the transfer backend is closed")
+                cmd.sender.fail(why)
+                cmd.sender.let_go()
         self._sock.close(linger=200)
         self._release()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mpprefill.disagg.sender import KVPoll, KVSender
+from mpprefill.disagg.wire import brief
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class SenderLimits:
     num_pages: int  # pages of the prefill pool the sources are in
     swa_num_pages: int | None  # ... of its sliding-window pool (None: it has none)
     answer_timeout: float  # seconds the decode side has to answer a bootstrap or final send
+    transfer_timeout: float = math.inf  # seconds from the first send to the ack
 
 
 class TransferSender(KVSender):
@@ -85,7 +87,12 @@ class TransferSender(KVSender):
 
     Either thread changes `state` under the lock. `poll` fails a sender that has waited
     for the decode side longer than `answer_timeout`: for the bootstrap reply (counted
-    from its creation) or for the ack of its final send (counted from that send).
+    from its creation) or for the ack of its final send (counted from that send). The
+    backend's thread fails one still Transferring `transfer_timeout` after its first send
+    (`transfer_by`).
+
+    From the "start" command on, the backend's thread holds the sender (`hand_over`) until
+    it drops the room (`let_go`): only then are none of its pages read any more.
     """
 
     def __init__(
@@ -98,7 +105,10 @@ class TransferSender(KVSender):
         self.dst_pages: torch.Tensor | None = None  # the room's pages in the decode pool
         self.target = None  # the decode pool those pages are in, as the backend opened it
         self.decode_prefix_len = 0
+        self.instance = ""  # the decode receiver's run that answered the bootstrap
+        self.transfer_by = math.inf  # the backend's deadline for the ack
         self.pages_sent = 0  # pages written so far (transfer thread)
+        self.awaiting_ack = False  # its transfer_done went out (transfer thread)
         self._prefix_pages = 0
         self._commands = commands
         self._limits = limits
@@ -107,6 +117,7 @@ class TransferSender(KVSender):
         self._lock = threading.Lock()
         self._queued = 0
         self._last_queued = False
+        self._held = False
 
     def poll(self) -> KVPoll:
         if self.is_live and time.monotonic() > self._answer_by:
@@ -151,6 +162,7 @@ class TransferSender(KVSender):
         with self._lock:
             if self.state == KVPoll.WaitingForInput:
                 self.state = KVPoll.Transferring
+                self.transfer_by = time.monotonic() + self._limits.transfer_timeout
             if cmd.last:  # from now on the decode side is to answer
                 self._answer_by = time.monotonic() + self._limits.answer_timeout
         self._commands.put(cmd)
@@ -195,6 +207,9 @@ class TransferSender(KVSender):
     def failure_reason(self) -> str:
         return self._error or "transfer failed"
 
+    def settled(self) -> bool:
+        return not self._held
+
     def pop_decode_prefix_len(self) -> int:
         return self.decode_prefix_len
 
@@ -207,13 +222,29 @@ class TransferSender(KVSender):
 
     # ---- transitions (either thread) ----------------------------------------------------
 
-    def ready(self, target, dst_pages: torch.Tensor, prefix_len: int, prefix_pages: int) -> None:
+    def hand_over(self) -> None:
+        """The backend queued its "start": its thread holds the sender from now on."""
+        self._held = True
+
+    def let_go(self) -> None:
+        """The backend's thread dropped the room and reads none of its pages any more."""
+        self._held = False
+
+    def ready(
+        self,
+        target,
+        dst_pages: torch.Tensor,
+        prefix_len: int,
+        prefix_pages: int,
+        instance: str = "",
+    ) -> None:
         with self._lock:
             if self.state != KVPoll.Bootstrapping:
                 return
             self.target = target
             self.dst_pages = dst_pages
             self.decode_prefix_len = prefix_len
+            self.instance = instance
             self._prefix_pages = prefix_pages
             self._answer_by = math.inf  # the scheduler is to act now, not the decode side
             self.state = KVPoll.WaitingForInput
@@ -232,9 +263,9 @@ class TransferSender(KVSender):
         with self._lock:
             if not self.is_live:
                 return False
-            self._error = reason
+            self._error = brief(reason, 400)
             self.state = KVPoll.Failed
-        logger.info("room %s (%s): transfer failed: %s", self.room, self.rid, reason)
+        logger.info("room %s (%s): transfer failed: %s", self.room, self.rid, self._error)
         return True
 
 

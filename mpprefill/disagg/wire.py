@@ -10,9 +10,9 @@ carries a "type"; the router reply has the shape of the server's reply to its cl
                                             max_abs_err | error
   prefill -> decode       bootstrap         room
   decode -> prefill       bootstrap_reply   room, status ready|unknown|error, pool,
-                                            dst_pages, decode_prefix_len, error
-  prefill -> decode       transfer_done     room, first_token, num_pages
-  decode -> prefill       ack               room, ok, error
+                                            dst_pages, decode_prefix_len, error, instance
+  prefill -> decode       transfer_done     room, first_token, num_pages, instance
+  decode -> prefill       ack               room, ok, error, instance
   either way              abort             room
   prefill -> decode       ping              (decode answers pong)
   decode -> anyone        error             error, room (a frame it could not use)
@@ -20,6 +20,14 @@ carries a "type"; the router reply has the shape of the server's reply to its cl
 NOTE: dst_pages lists every receive page of the room, prompt order. The first
 decode_prefix_len // page_size of them already hold KV; the k-th page the prefill side
 sends goes to dst_pages[decode_prefix_len // page_size + k].
+
+NOTE: `instance` names one run of a decode receiver. The prefill sends back the instance
+that answered a room's bootstrap and accepts only that instance's ack, so a receiver that
+restarted on the same port never acknowledges pages that went to its predecessor.
+
+Bounds: a frame is at most MAX_FRAME_BYTES (both sockets of the link set it as their
+ZeroMQ MAXMSGSIZE), an integer fits int64, a string MAX_STR characters, and an error
+quotes a bad value in at most QUOTE_CHARS characters.
 """
 
 from __future__ import annotations
@@ -29,6 +37,22 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+MAX_FRAME_BYTES = 16 << 20  # a register frame of a prompt of ~2M tokens
+MAX_INT = 2**63 - 1  # room, page and token numbers are int64 on both sides
+MAX_STR = 4096  # rid, error, instance, dtype
+QUOTE_CHARS = 80
+
+
+def quote(v: Any) -> str:
+    """`repr(v)`, cut to QUOTE_CHARS: what an error message may echo of a peer's value."""
+    text = repr(v)
+    return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3] + "..."
+
+
+def brief(text: str, limit: int = 2 * QUOTE_CHARS) -> str:
+    """An error text from or about a peer, cut to `limit` characters."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class WireError(ValueError):
@@ -111,6 +135,7 @@ class BootstrapReply:
     dst_pages: list[int] = field(default_factory=list)
     decode_prefix_len: int = 0
     error: str | None = None
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +143,7 @@ class TransferDone:
     room: int
     first_token: int
     num_pages: int
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +151,7 @@ class Ack:
     room: int
     ok: bool
     error: str | None = None
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,14 +192,14 @@ Message = (
 
 
 def _int(v: Any, name: str, minimum: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise WireError(f"{name} must be an integer >= {minimum}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= MAX_INT:
+        raise WireError(f"{name} must be an integer in [{minimum}, 2**63), got {quote(v)}")
     return v
 
 
 def _str(v: Any, name: str) -> str:
-    if not isinstance(v, str):
-        raise WireError(f"{name} must be a string, got {v!r}")
+    if not isinstance(v, str) or len(v) > MAX_STR:
+        raise WireError(f"{name} must be a string of at most {MAX_STR} characters: {quote(v)}")
     return v
 
 
@@ -192,7 +219,7 @@ def _tokens(v: Any, name: str) -> list[int]:
 def _choice(*allowed: str) -> Callable[[Any, str], str]:
     def check(v: Any, name: str) -> str:
         if v not in allowed:
-            raise WireError(f"{name} must be one of {allowed}, got {v!r}")
+            raise WireError(f"{name} must be one of {allowed}, got {quote(v)}")
         return v
 
     return check
@@ -207,7 +234,7 @@ def _typed(*types: type) -> Callable[[Any, str], Any]:
 
     def check(v: Any, name: str) -> Any:
         if isinstance(v, bool) != (bool in types) or not isinstance(v, types):
-            raise WireError(f"{name} must be {'/'.join(t.__name__ for t in types)}: {v!r}")
+            raise WireError(f"{name} must be {'/'.join(t.__name__ for t in types)}: {quote(v)}")
         return v
 
     return check
@@ -228,10 +255,14 @@ _S = {
             "dst_pages": _ints,
             "decode_prefix_len": _int,
             "error": _optional(_str),
+            "instance": _str,
         },
     ),
-    "transfer_done": (TransferDone, {"room": _int, "first_token": _int, "num_pages": _int}),
-    "ack": (Ack, {"room": _int, "ok": _bool, "error": _optional(_str)}),
+    "transfer_done": (
+        TransferDone,
+        {"room": _int, "first_token": _int, "num_pages": _int, "instance": _str},
+    ),
+    "ack": (Ack, {"room": _int, "ok": _bool, "error": _optional(_str), "instance": _str}),
     "abort": (Abort, {"room": _int}),
     "ping": (Ping, {}),
     "pong": (Pong, {}),
@@ -281,7 +312,7 @@ def _build(obj: dict[str, Any]) -> Message:
     elif isinstance(kind, str) and kind in _S:
         cls, schema = _S[kind]
     else:
-        raise WireError(f"unknown message type {kind!r}")
+        raise WireError(f"unknown message type {quote(kind)}")
     required = {f.name for f in dataclasses.fields(cls) if _required(f)}
     missing = sorted(required - set(obj))
     if missing:

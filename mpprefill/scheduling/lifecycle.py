@@ -52,11 +52,19 @@ class Lifecycle:
             self.pending_prefix_keys.pop(key, None)
 
     def process_inflight_queue(self) -> None:
+        """Finish the requests whose transfer ended: release, then reply.
+
+        NOTE: a failed or aborted transfer's pages may still be read by the backend's
+        thread (a copy under way); they are released once its sender is settled, and the
+        reply goes out after the release, so a rid reused at once finds nothing of it.
+        """
         t0 = clock_ns()
         keep = []
         for req in self.inflight_queue:
             state = req.sender.poll()
-            if state == KVPoll.Success:
+            if state in (KVPoll.Success, KVPoll.Failed) and not req.sender.settled():
+                keep.append(req)
+            elif state == KVPoll.Success:
                 self.release_finished(req)
                 self.finish(req)
             elif state == KVPoll.Failed:
@@ -99,7 +107,7 @@ class Lifecycle:
                 self.fail(req, reason, release=False)
                 return True
         if req.status == ReqStatus.TRANSFERRING:
-            req.sender.abort()  # the inflight queue releases it on Failed
+            req.sender.abort()  # the inflight queue releases it, then replies
             return True
         req.sender.abort()
         self.finish(req, reason)  # released when its chunk in flight comes back

@@ -119,6 +119,7 @@ class Scheduler:
                 self.reqs.fail(req, str(e), release=False)
 
     def pop_bootstrapped(self) -> None:
+        self.transfer.raise_if_dead()  # no request could leave: the server must not go on
         keep, now = [], time.monotonic()
         for req in self.reqs.bootstrap_queue:
             state = req.sender.poll()

@@ -269,6 +269,7 @@ def _make_transfer(args: ServerArgs, worker):
         args.page_size,
         args.decode_address,
         bootstrap_timeout=args.bootstrap_timeout,
+        transfer_timeout=args.transfer_timeout,
         fence=worker.kv_fence,
     )
 

@@ -17,11 +17,13 @@ from collections import Counter, deque
 from chaoslib import procs
 from chaoslib.check import Faults, summarize
 from chaoslib.hostile import foreign_abort, hostile_frames
+from chaoslib.hostile_decode import HostileDecode
 from chaoslib.router import ChaosRouter
 from chaoslib.workload import SLOW_EVERY, ChaosWorkload, Record
 from mpprefill.bench.procs import Child, runtime_dir_of, start_decode, start_server, worker_pid
 
 FINAL_REQUESTS = 24
+HOSTILE_DECODE_S = 3.0  # a hostile peer holds the decode port this long during the restart
 
 
 class Events:
@@ -58,6 +60,7 @@ class ChaosRun:
         self.router: ChaosRouter | None = None
         self.runtime_dir: str | None = None
         self._restart: threading.Thread | None = None
+        self.hostile_decode: HostileDecode | None = None
         self._last_progress = 0.0
         self.problems: list[str] = []
         self.drain_stats: dict = {}
@@ -98,9 +101,14 @@ class ChaosRun:
         self.router = ChaosRouter(self.serve.port, self.decode.port)
 
     def restart_decode(self) -> None:
+        worker = worker_pid(self.serve.proc.pid)
+        hostile = self.hostile_decode = HostileDecode(self.decode.port, self.args.seed, worker)
+
         def work():
+            hostile.learn()
             self.faults.decode_kill = time.monotonic()
             procs.kill(self.decode)
+            hostile.serve(HOSTILE_DECODE_S)
             new = procs.restart_decode(self.decode.port, self.decode_flags(), self.log_dir)
             self.decodes.append(new)
             self.decode = new
@@ -286,6 +294,9 @@ class ChaosRun:
             self._restart.join(120)
         if not self.pump(90.0, self.drained):
             self.problems.append(self.describe_stuck())
+        if self.hostile_decode is not None:
+            self.injected.update(self.hostile_decode.counts)
+            self.problems += self.hostile_decode.problems(self.router.records.values())
         invariants = self.check_invariants()
         self.mark("drain")
         self.final_phase(final)

@@ -54,14 +54,16 @@ def test_wrong_page_count_is_refused(receiver, router, prefill):
     router.register("w", 3, [1] * 20)
     router.sync()
     prefill.send({"type": "bootstrap", "room": 3})
-    assert prefill.recv()["status"] == "ready"
-    prefill.send({"type": "transfer_done", "room": 3, "first_token": 9, "num_pages": 1})
+    reply = prefill.recv()
+    assert reply["status"] == "ready" and reply["instance"] == receiver.instance
+    done = {"type": "transfer_done", "room": 3, "first_token": 9, "instance": receiver.instance}
+    prefill.send({**done, "num_pages": 1})
     ack = prefill.recv()
     assert ack["type"] == "ack" and ack["ok"] is False and "expected" in ack["error"]
     assert router.recv()["status"] == "error"
     router.sync()
     assert receiver.allocator.num_free_pages == 2  # freed after the reply
-    prefill.send({"type": "transfer_done", "room": 3, "first_token": 9, "num_pages": 2})
+    prefill.send({**done, "num_pages": 2})
     assert prefill.recv()["ok"] is False  # the room is gone
 
 
@@ -118,10 +120,13 @@ def test_a_test_delay_holds_only_the_rooms_it_names():
             prefill.send({"type": "bootstrap", "room": room})
             assert prefill.recv()["status"] == "ready"
         t0 = time.monotonic()
+        run = rx.instance
         for room in (10, 11):
-            prefill.send({"type": "transfer_done", "room": room, "first_token": 1, "num_pages": 1})
-        assert prefill.recv() == {"type": "ack", "room": 11, "ok": True, "error": None}
+            done = {"type": "transfer_done", "room": room, "first_token": 1, "num_pages": 1}
+            prefill.send({**done, "instance": run})
+        ack = {"type": "ack", "ok": True, "error": None, "instance": run}
+        assert prefill.recv() == {**ack, "room": 11}
         assert router.recv()["rid"] == "d11"  # before room 10, which was done first
-        assert prefill.recv() == {"type": "ack", "room": 10, "ok": True, "error": None}
+        assert prefill.recv() == {**ack, "room": 10}
         assert router.recv()["rid"] == "d10"
         assert time.monotonic() - t0 >= 0.3

@@ -35,6 +35,8 @@ class DecodeArgs:
     )
     disaggregation_transfer_backend: str = _f("shm", "how KV arrives", choices=DECODE_BACKENDS)
     register_timeout: float = _f(30.0, "seconds a registration may wait for free pages")
+    max_queued_registrations: int = _f(4096, "registrations waiting for pages beyond this fail")
+    waiting_timeout: float = _f(600.0, "seconds a room with pages may wait for all its KV")
     log_level: str = _f("info", "logging level")
     test_transfer_delay_ms: float = _f(
         0.0, "test only: hold each finished transfer's answer this long (see decode/delay.py)"
@@ -48,6 +50,10 @@ class DecodeArgs:
             raise ValueError(f"--disaggregation-transfer-backend: one of {DECODE_BACKENDS}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"--sliding-window must be positive, got {self.sliding_window}")
+        if min(self.register_timeout, self.waiting_timeout) <= 0:
+            raise ValueError("--register-timeout and --waiting-timeout must be positive")
+        if self.max_queued_registrations < 0:
+            raise ValueError("--max-queued-registrations must not be negative")
         if self.verify and self.emulate_model is not None:
             raise ValueError("--verify cannot check KV from an emulated device (not the model's)")
         self.transfer_delay  # noqa: B018 - validates the test delay

@@ -3,11 +3,19 @@
 One ROUTER socket serves the router (register, abort) and the prefill transfer backends
 (bootstrap, transfer_done, abort, ping). A room's pages are freed once the router has
 its answer. Verification runs on a helper thread so the loop keeps answering pings.
+
+A room belongs to the connection that registered it (the router) and to the first prefill
+that bootstraps it (`Room.peer`): a bootstrap, transfer_done or abort from anyone else is
+refused. Every reply to a prefill names this run (`instance`), and a transfer_done must name
+it back. Everything waits against a deadline: registrations for pages
+(`--register-timeout`), rooms for their KV (`--waiting-timeout`), aborted rooms for the
+prefill's confirmation (_DRAIN_S); registrations waiting are capped.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -39,8 +47,18 @@ class Room:
     input_ids: list[int]
     pages: torch.Tensor
     prefix_len: int = 0
+    deadline: float = 0.0  # the router gets an error if the KV is not in by then
     peer: bytes | None = None  # the prefill backend that bootstrapped it
     verifying: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class Pending:
+    """A registration waiting for free pages."""
+
+    reg: wire.Register
+    router: bytes
+    deadline: float
 
 
 def pool_model_config(args: DecodeArgs) -> ModelConfig:
@@ -70,15 +88,19 @@ class DecodeReceiver:
         self.pool = make_decode_pool(backend, self.layout, config.torch_dtype, args.host)
         self._pool_desc = self.pool.describe()
         self.allocator = PagedTokenAllocator(num_pages, args.page_size)
+        self.instance = secrets.token_hex(8)
+        # NOTE: each of these dicts is in order of its deadline (one timeout each), so
+        # expiry looks at its first entries only.
         self.rooms: dict[int, Room] = {}
-        self.pending: deque[tuple[wire.Register, bytes, float]] = deque()
-        self.draining: dict[int, tuple[torch.Tensor, float]] = {}
+        self.pending: dict[int, Pending] = {}  # by room
+        self.draining: dict[int, tuple[torch.Tensor, float, bytes]] = {}  # pages, until, peer
         self._checks: list[tuple[Room, int, Future]] = []
         self._held: deque[tuple[float, Room, wire.RouterReply]] = deque()  # due, room, answer
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 200)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
         try:
             self.port = self._bind(f"tcp://{args.host}", args.port)
         except zmq.ZMQError:
@@ -128,8 +150,8 @@ class DecodeReceiver:
             self._send(room.router, wire.RouterReply(room.rid, "error", error="decode shut down"))
             if room.peer is not None:
                 self._send(room.peer, wire.Abort(room.room))
-        for reg, ident, _ in self.pending:
-            self._send(ident, wire.RouterReply(reg.rid, "error", error="decode shut down"))
+        for p in self.pending.values():
+            self._send(p.router, wire.RouterReply(p.reg.rid, "error", error="decode shut down"))
         self.sock.close()
         self._ctx.term()
         self.pool.close()
@@ -157,54 +179,61 @@ class DecodeReceiver:
 
     def _on_register(self, ident: bytes, msg: wire.Register) -> None:
         r = msg.bootstrap_room
-        if (
-            r in self.rooms
-            or r in self.draining
-            or any(p.bootstrap_room == r for p, *_ in self.pending)
-        ):
+        if r in self.rooms or r in self.draining or r in self.pending:
             self._send(ident, wire.RouterReply(msg.rid, "error", error=f"room {r} is in use"))
             return
         need = cdiv(len(msg.input_ids), self.args.page_size)
+        error = None
         if need > self.allocator.num_pages:
             error = f"prompt needs {need} pages, the pool has {self.allocator.num_pages}"
+        elif len(self.pending) >= self.args.max_queued_registrations:
+            error = f"{len(self.pending)} registrations already wait for pages"
+        if error is not None:
             self._send(ident, wire.RouterReply(msg.rid, "error", error=error))
             return
-        self.pending.append((msg, ident, time.monotonic() + self.args.register_timeout))
+        self.pending[r] = Pending(msg, ident, time.monotonic() + self.args.register_timeout)
         self._admit_pending()
 
     def _admit_pending(self) -> None:
         while self.pending:
-            msg, ident, _ = self.pending[0]
-            pages = self.allocator.alloc_pages(cdiv(len(msg.input_ids), self.args.page_size))
+            r, p = next(iter(self.pending.items()))
+            pages = self.allocator.alloc_pages(cdiv(len(p.reg.input_ids), self.args.page_size))
             if pages is None:
                 return
-            self.pending.popleft()
+            del self.pending[r]
             if self.verifier is not None:
                 self.verifier.poison(self.pool.kv, self.allocator.slots_of(pages))
-            r = msg.bootstrap_room
-            self.rooms[r] = Room(msg.rid, r, ident, msg.input_ids, pages)
+            room = Room(p.reg.rid, r, p.router, p.reg.input_ids, pages)
+            room.deadline = time.monotonic() + self.args.waiting_timeout
+            self.rooms[r] = room
 
     def _on_bootstrap(self, ident: bytes, msg: wire.Bootstrap) -> None:
         room = self.rooms.get(msg.room)
         if room is None:
-            self._send(ident, wire.BootstrapReply(msg.room, "unknown"))
+            self._send(ident, wire.BootstrapReply(msg.room, "unknown", instance=self.instance))
+            return
+        if room.peer not in (None, ident):
+            error = f"room {msg.room} is bound to another prefill"
+            self._send(ident, wire.BootstrapReply(msg.room, "error", error=error))
             return
         room.peer = ident
         pages = room.pages.tolist()
-        self._send(
-            ident, wire.BootstrapReply(msg.room, "ready", self._pool_desc, pages, room.prefix_len)
+        reply = wire.BootstrapReply(
+            msg.room, "ready", self._pool_desc, pages, room.prefix_len, instance=self.instance
         )
+        self._send(ident, reply)
 
     def _on_transfer_done(self, ident: bytes, msg: wire.TransferDone) -> None:
         room = self.rooms.get(msg.room)
-        if room is None or room.verifying:
-            self._send(ident, wire.Ack(msg.room, False, f"room {msg.room} is not receiving"))
+        ours = room is not None and room.peer == ident and msg.instance == self.instance
+        if not ours or room.verifying:
+            error = f"room {msg.room} is not receiving from this peer in this run"
+            self._send(ident, wire.Ack(msg.room, False, error, self.instance))
             return
-        room.peer = ident
         expected = len(room.pages) - room.prefix_len // self.args.page_size
         if msg.num_pages != expected:
             error = f"{msg.num_pages} pages arrived, {expected} expected"
-            self._send(ident, wire.Ack(msg.room, False, error))
+            self._send(ident, wire.Ack(msg.room, False, error, self.instance))
             self._finish(room, wire.RouterReply(room.rid, "error", error=error))
         elif self.verifier is not None:
             room.verifying = True
@@ -215,19 +244,19 @@ class DecodeReceiver:
             self._deliver(room, wire.RouterReply(room.rid, "done", msg.first_token))
 
     def _on_abort(self, ident: bytes, msg: wire.Abort) -> None:
+        """From the room's router or its prefill only; to anyone else the room is unknown."""
         r = msg.room
-        if r in self.draining:
+        room = self.rooms.get(r)
+        if r in self.draining and self.draining[r][2] == ident:
             self.allocator.free(self.draining.pop(r)[0] * self.args.page_size)
             self._admit_pending()
-        elif r in self.rooms:
-            room = self.rooms[r]
+        elif room is not None and ident in (room.router, room.peer):
             by_router = ident == room.router and room.peer not in (None, ident)
             reply = wire.RouterReply(room.rid, "error", error="aborted")
             self._finish(room, reply, drain=by_router)
-        elif any(p.bootstrap_room == r for p, *_ in self.pending):
-            reg, router, _ = next(p for p in self.pending if p[0].bootstrap_room == r)
-            self.pending = deque(p for p in self.pending if p[0].bootstrap_room != r)
-            self._send(router, wire.RouterReply(reg.rid, "error", error="aborted"))
+        elif r in self.pending and self.pending[r].router == ident:
+            p = self.pending.pop(r)
+            self._send(p.router, wire.RouterReply(p.reg.rid, "error", error="aborted"))
         else:
             self._send(ident, wire.ErrorReply(f"unknown room {r}", r))
 
@@ -261,7 +290,7 @@ class DecodeReceiver:
 
     def _answer(self, room: Room, reply: wire.RouterReply) -> None:
         if room.peer is not None:
-            self._send(room.peer, wire.Ack(room.room, True))
+            self._send(room.peer, wire.Ack(room.room, True, instance=self.instance))
         self._finish(room, reply)
 
     def _finish(self, room: Room, reply: wire.RouterReply, drain: bool = False) -> None:
@@ -270,19 +299,35 @@ class DecodeReceiver:
         self._send(room.router, reply)
         if drain:
             self._send(room.peer, wire.Abort(room.room))
-            self.draining[room.room] = (room.pages, time.monotonic() + _DRAIN_S)
+            self.draining[room.room] = (room.pages, time.monotonic() + _DRAIN_S, room.peer)
             return
         self.allocator.free(room.pages * self.args.page_size)
         self._admit_pending()
 
     def _expire(self, now: float) -> None:
-        for msg, ident, deadline in [p for p in self.pending if p[2] < now]:
-            self.pending.remove((msg, ident, deadline))
+        while self.pending and (p := next(iter(self.pending.values()))).deadline < now:
+            del self.pending[p.reg.bootstrap_room]
             error = f"no free receive pages within {self.args.register_timeout:.1f} s"
-            self._send(ident, wire.RouterReply(msg.rid, "error", error=error))
-        for r in [r for r, (_, deadline) in self.draining.items() if deadline < now]:
-            self.allocator.free(self.draining.pop(r)[0] * self.args.page_size)
+            self._send(p.router, wire.RouterReply(p.reg.rid, "error", error=error))
+        while self.rooms and (room := next(iter(self.rooms.values()))).deadline < now:
+            self._time_out(room)
+        while self.draining:
+            r, (pages, until, _) = next(iter(self.draining.items()))
+            if until >= now:
+                break
+            del self.draining[r]
+            self.allocator.free(pages * self.args.page_size)
             self._admit_pending()
+
+    def _time_out(self, room: Room) -> None:
+        """The room's KV did not arrive in time: the router gets an error; a prefill still
+        sending is told to stop (and the pages wait for it), one waiting for its ack gets a
+        refusal."""
+        error = f"no KV within {self.args.waiting_timeout:.1f} s"
+        sending = room.peer is not None and not room.verifying
+        if room.peer is not None and room.verifying:
+            self._send(room.peer, wire.Ack(room.room, False, error, self.instance))
+        self._finish(room, wire.RouterReply(room.rid, "error", error=error), drain=sending)
 
     def _send(self, ident: bytes, msg: wire.Message) -> None:
         try:
