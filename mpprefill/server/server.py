@@ -16,6 +16,7 @@ import time
 import zmq
 
 from mpprefill.config import ServerArgs
+from mpprefill.disagg.sender import TransferDied
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
@@ -203,6 +204,9 @@ class PrefillServer:
         except WorkerDied as e:
             logger.error("forward worker failed: %s", e)
             reason, self.exit_code = f"worker failure: {e}", 1
+        except TransferDied as e:
+            logger.error("KV transfer failed: %s", e)
+            reason, self.exit_code = f"transfer failure: {e}", 1
         except Exception:
             logger.exception("the scheduler loop failed")
             reason, self.exit_code = "internal server error", 1
