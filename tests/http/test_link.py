@@ -1,5 +1,6 @@
 """The front's link to the scheduler, against a ROUTER in this process: replies reach their
-request whatever their order, and a cancelled or timed-out request is aborted there."""
+request whatever their order, a cancelled or timed-out request is aborted there, and a
+client that disconnects cancels its work."""
 
 from __future__ import annotations
 
@@ -91,3 +92,29 @@ def test_cancelled_and_timed_out_requests_are_aborted():
         assert not link.in_flight("c1") and not link.in_flight("t1")
 
     _run(test)
+
+
+def test_a_disconnected_client_cancels_its_work():
+    pytest.importorskip("fastapi")
+    from mpprefill.http.app import ClientGone, until_disconnect
+
+    class GoneRequest:
+        async def receive(self):
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+    async def main():
+        cancelled = asyncio.Event()
+
+        async def work():
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        with pytest.raises(ClientGone):
+            await until_disconnect(GoneRequest(), work())
+        assert cancelled.is_set()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
