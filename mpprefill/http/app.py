@@ -65,7 +65,14 @@ class HttpFront:
         return JSONResponse(replies if body.batch else replies[0])
 
     async def _generate_all(self, items: list[bodies.GenerateItem], t0: float) -> list[dict]:
-        return list(await asyncio.gather(*(self._generate_one(it, t0) for it in items)))
+        """Every prompt's body in order; a batch with a failed prompt fails with the first."""
+        outs = await asyncio.gather(
+            *(self._generate_one(it, t0) for it in items), return_exceptions=True
+        )
+        error = next((o for o in outs if isinstance(o, BaseException)), None)
+        if error is not None:
+            raise error
+        return list(outs)
 
     async def _generate_one(self, item: bodies.GenerateItem, t0: float) -> dict[str, Any]:
         try:

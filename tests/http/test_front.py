@@ -158,6 +158,7 @@ BAD_BODIES = [
     (b'{"input_ids": [[1], [2]], "bootstrap_room": [1]}', 400, "bootstrap_room"),
     (b'{"text": "hello"}', 400, "tokenizer"),
     (b'{"input_ids": [1, 5000]}', 400, "vocabulary"),  # refused by the scheduler
+    (b'{"input_ids": [[1, 2], [1, 5000]]}', 400, "vocabulary"),  # one prompt of a batch
     (json.dumps({"input_ids": [1] * (CONTEXT_LENGTH + 1)}).encode(), 400, "context length"),
 ]
 
