@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from mpprefill.bench.procs import free_port
-from mpprefill.http.link import NoReply, RidInFlight, SchedulerLink
+from mpprefill.http.link import FrameTooLarge, NoReply, RidInFlight, SchedulerLink
 from mpprefill.server import protocol
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,6 +90,20 @@ def test_cancelled_and_timed_out_requests_are_aborted():
         assert (await _recv(router))[1]["type"] == "generate"
         assert (await _recv(router))[1] == {"type": "abort", "rid": "t1"}
         assert not link.in_flight("c1") and not link.in_flight("t1")
+
+    _run(test)
+
+
+def test_a_frame_over_the_protocols_limit_is_never_sent():
+    async def test(link, router):
+        with pytest.raises(FrameTooLarge):
+            await link.generate("huge", [1000] * (protocol.MAX_FRAME_BYTES // 4), {}, None, 10)
+        assert not link.in_flight("huge")
+        small = asyncio.ensure_future(link.generate("small", [1], {}, None, 10))
+        ident, first = await _recv(router)
+        assert first["rid"] == "small"  # the first frame the scheduler sees
+        await router.send_multipart([ident, _done("small", 3)])
+        assert (await small)["first_token"] == 3
 
     _run(test)
 
