@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv (if needed) and run the test suite. Extra args go to pytest.
 source "$(dirname "$0")/_env.sh"
-setup_venv test,hf,plot
+setup_venv test,hf,plot,http
 setup_rdma_libs
 # Test-only oracles and optional backends; their tests skip with a reason when absent.
 optional() {  # optional <import name> <pip requirement>

@@ -72,7 +72,7 @@ def test_run_sh_passes_its_flags_to_bench_not_to_pip(tree):
 
 def test_test_sh_installs_extras_then_runs_pytest_with_its_args(tree):
     lines = run_script(tree, "test.sh", "-q", "tests/ipc")
-    assert any(ln.endswith("-e .[test,hf,plot]") for ln in lines), lines
+    assert any(ln.endswith("-e .[test,hf,plot,http]") for ln in lines), lines
     assert lines[-1] == "python -m pytest -q tests/ipc"
 
 

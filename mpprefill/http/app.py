@@ -1,0 +1,268 @@
+"""The HTTP front's routes (FastAPI): SGLang's endpoints over one SchedulerLink.
+
+Each route parses its body here, off the scheduler's process; the scheduler sees only the
+protocol's frames. Errors are HTTP status codes with `{"error": {"message", "code"}}`
+bodies (errors.py); a body over `--max-body-bytes` gets 413 before any of it is parsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mpprefill.http import bodies
+from mpprefill.http.args import HttpArgs
+from mpprefill.http.errors import HttpError, bad_request, error_body
+from mpprefill.http.link import FrameTooLarge, NoReply, RidInFlight, SchedulerLink
+from mpprefill.http.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+BIG_BODY_BYTES = 1 << 20  # bodies parsed on a thread, so the event loop keeps serving
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its reply; its requests were aborted."""
+
+
+class HttpFront:
+    """The routes' state: the settings, the tokenizer (None: ids only) and the link."""
+
+    def __init__(self, args: HttpArgs, tokenizer: TextTokenizer | None):
+        self.args = args
+        self.tokenizer = tokenizer
+        self.link: SchedulerLink | None = None
+
+    async def start(self) -> None:
+        self.link = SchedulerLink(self.args.zmq_address)
+        self.link.start()
+
+    async def close(self) -> None:
+        if self.link is not None:
+            await self.link.close()
+
+    # ---- /generate -----------------------------------------------------------------------
+
+    async def generate(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        body = bodies.parse_generate(await read_json(request, self.args.max_body_bytes))
+        items = body.items
+        if any(it.text is not None for it in items):
+            items = await asyncio.to_thread(bodies.tokenize, items, self.tokenizer)
+        if body.stream:
+            events = self._events(items, body.batch, t0)
+            return StreamingResponse(events, media_type="text/event-stream")
+        replies = await until_disconnect(request, self._generate_all(items, t0))
+        return JSONResponse(replies if body.batch else replies[0])
+
+    async def _generate_all(self, items: list[bodies.GenerateItem], t0: float) -> list[dict]:
+        """Every prompt's body in order; a batch with a failed prompt fails with the first."""
+        outs = await asyncio.gather(
+            *(self._generate_one(it, t0) for it in items), return_exceptions=True
+        )
+        error = next((o for o in outs if isinstance(o, BaseException)), None)
+        if error is not None:
+            raise error
+        return list(outs)
+
+    async def _generate_one(self, item: bodies.GenerateItem, t0: float) -> dict[str, Any]:
+        try:
+            reply = await self.link.generate(
+                item.rid,
+                item.input_ids,
+                item.sampling_params,
+                item.bootstrap_room,
+                self.args.request_timeout,
+            )
+        except FrameTooLarge as e:
+            raise HttpError(413, str(e)) from None
+        except NoReply as e:
+            raise HttpError(503, str(e)) from None
+        except RidInFlight as e:
+            raise bad_request(str(e)) from None
+        return bodies.generate_reply(item, reply, time.perf_counter() - t0, self.tokenizer)
+
+    async def _events(
+        self, items: list[bodies.GenerateItem], batch: bool, t0: float
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events: one per prompt as it finishes (with its `index` in a batch),
+        then [DONE]. A client gone mid-stream cancels this, aborting what is left."""
+        tasks = [asyncio.ensure_future(self._generate_one(it, t0)) for it in items]
+        pending = {task: i for i, task in enumerate(tasks)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=pending.get):
+                    out = _result_or_error(task)
+                    if batch:
+                        out["index"] = pending[task]
+                    del pending[task]
+                    yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            for task in pending:
+                task.cancel()
+
+    # ---- the other routes ----------------------------------------------------------------
+
+    async def health(self) -> Response:
+        try:
+            await self.link.stats(self.args.health_timeout)
+        except NoReply as e:
+            raise HttpError(503, str(e)) from None
+        return Response(status_code=200)
+
+    async def health_generate(self) -> Response:
+        """A one-token greedy generate of token 0."""
+        rid = f"health-{uuid.uuid4().hex}"
+        try:
+            reply = await self.link.generate(
+                rid, [0], {"temperature": 0.0, "max_new_tokens": 1}, None, self.args.health_timeout
+            )
+        except NoReply as e:
+            raise HttpError(503, str(e)) from None
+        if reply.get("status") != "done":
+            raise HttpError(503, f"generate failed: {reply.get('error')}")
+        return Response(status_code=200)
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.args.model_path,
+            "tokenizer_path": self.tokenizer.path if self.tokenizer else None,
+            "is_generation": True,
+        }
+
+    async def server_info(self) -> dict[str, Any]:
+        """The front's settings, and the scheduler's stats as SGLang's `internal_states`."""
+        try:
+            stats = await self.link.stats(self.args.health_timeout)
+        except NoReply as e:
+            raise HttpError(503, str(e)) from None
+        stats = {k: v for k, v in stats.items() if k not in ("rid", "status")}
+        return {**dataclasses.asdict(self.args), "internal_states": [stats]}
+
+    async def abort_request(self, request: Request) -> dict[str, Any]:
+        """Abort `rid`, or with `abort_all` every request in flight here; lists the rids
+        aborted (none for a rid this front has not in flight: 200 all the same, as SGLang)."""
+        body = await read_json(request, self.args.max_body_bytes)
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        if body.get("abort_all") is True:
+            rids = self.link.rids()
+        elif isinstance(body.get("rid"), str):
+            rids = [body["rid"]] if self.link.in_flight(body["rid"]) else []
+        else:
+            raise bad_request("give a string rid, or abort_all: true")
+        for rid in rids:
+            await self.link.abort(rid)
+        return {"rids": rids}
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 past `limit` bytes (read no further), 400 if not JSON."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise HttpError(413, f"a body of {length} bytes is over the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    try:
+        if size > BIG_BODY_BYTES:
+            return await asyncio.to_thread(json.loads, data)
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        raise bad_request("the body is not JSON (or nests too deeply)") from None
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result; cancelled (ClientGone) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _result_or_error(task: asyncio.Future) -> dict[str, Any]:
+    try:
+        return task.result()
+    except HttpError as e:
+        return e.body()
+    except Exception as e:
+        logger.exception("a streamed request failed")
+        return error_body(500, f"internal error: {type(e).__name__}")
+
+
+def build_app(args: HttpArgs, tokenizer: TextTokenizer | None) -> FastAPI:
+    front = HttpFront(args, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await front.start()
+        try:
+            yield
+        finally:
+            await front.close()
+
+    app = FastAPI(title="mpprefill", lifespan=lifespan)
+    app.state.front = front
+    _add_routes(app, front)
+    _add_error_handlers(app)
+    return app
+
+
+def _add_routes(app: FastAPI, front: HttpFront) -> None:
+    app.add_api_route("/generate", front.generate, methods=["POST"])
+    app.add_api_route("/health", front.health, methods=["GET"])
+    app.add_api_route("/health_generate", front.health_generate, methods=["GET"])
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, front.model_info, methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, front.server_info, methods=["GET"])
+    app.add_api_route("/flush_cache", _flush_cache, methods=["GET", "POST"])
+    app.add_api_route("/abort_request", front.abort_request, methods=["POST"])
+
+
+async def _flush_cache() -> Response:
+    """NOTE: the scheduler's protocol has no flush; refused rather than pretended."""
+    message = "flush_cache is not in the scheduler's protocol; nothing was flushed"
+    return JSONResponse(error_body(501, message), status_code=501)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def http_error(request: Request, e: HttpError) -> Response:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def client_gone(request: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    async def internal(request: Request, e: Exception) -> Response:  # logged by the server
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), 500)
+
+    app.add_exception_handler(HttpError, http_error)
+    app.add_exception_handler(ClientGone, client_gone)
+    app.add_exception_handler(Exception, internal)

@@ -1,0 +1,41 @@
+"""The HTTP front's settings: one frozen dataclass whose fields are its flags
+(mpprefill.flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpprefill.flags import _f
+
+
+@dataclass(frozen=True)
+class HttpArgs:
+    zmq_address: str = _f("127.0.0.1:30100", "the prefill server's request socket, host:port")
+    host: str = _f("127.0.0.1", "address the HTTP server binds to")
+    port: int = _f(30000, "HTTP port")
+    model_path: str | None = _f(
+        None, "the served model's dir; its tokenizer.json turns text into ids and back"
+    )
+    tokenizer_path: str | None = _f(None, "tokenizer dir (default: --model-path)")
+    skip_tokenizer_init: bool = _f(
+        False, "ids only: no tokenizer, `text` input refused (the default without a model dir)"
+    )
+    max_body_bytes: int = _f(64 << 20, "request bodies larger than this get 413, unread")
+    request_timeout: float = _f(600.0, "seconds a request waits for the scheduler's reply")
+    health_timeout: float = _f(10.0, "seconds /health waits for the scheduler's stats")
+    log_level: str = _f("info", "logging level")
+
+    def __post_init__(self):
+        if self.max_body_bytes < 1:
+            raise ValueError("--max-body-bytes must be positive")
+        if min(self.request_timeout, self.health_timeout) <= 0:
+            raise ValueError("--request-timeout and --health-timeout must be positive")
+        if ":" not in self.zmq_address.rpartition("://")[2]:
+            raise ValueError(f"--zmq-address must be host:port, got {self.zmq_address!r}")
+
+    @property
+    def resolved_tokenizer_path(self) -> str | None:
+        """Where the tokenizer is read from; None: ids only."""
+        if self.skip_tokenizer_init:
+            return None
+        return self.tokenizer_path or self.model_path

@@ -1,0 +1,62 @@
+"""`python -m mpprefill.http`: the HTTP front's flags, its tokenizer, and uvicorn serving
+until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from mpprefill.flags import add_flags, from_namespace
+from mpprefill.http.args import HttpArgs
+from mpprefill.http.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+GRACEFUL_SHUTDOWN_S = 5  # requests still waiting then are cancelled (and aborted)
+
+
+def load_tokenizer(args: HttpArgs) -> TextTokenizer | None:
+    """The tokenizer, or None for ids only; a dir without tokenizer.json is an error."""
+    path = args.resolved_tokenizer_path
+    if path is None:
+        return None
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise SystemExit(
+            f"no tokenizer.json in {path}: give --tokenizer-path or --skip-tokenizer-init"
+        )
+    return TextTokenizer(path)
+
+
+def run_http(args: HttpArgs) -> int:
+    import uvicorn
+
+    from mpprefill.http.app import build_app
+
+    tokenizer = load_tokenizer(args)
+    logger.info(
+        "HTTP front on %s:%d for the scheduler at %s, tokenizer %s",
+        args.host,
+        args.port,
+        args.zmq_address,
+        tokenizer.path if tokenizer else "none (ids only)",
+    )
+    uvicorn.run(
+        build_app(args, tokenizer),
+        host=args.host,
+        port=args.port,
+        loop="asyncio",
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mpprefill.http", description=__doc__)
+    add_flags(ap, HttpArgs)
+    ns = ap.parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_http(from_namespace(HttpArgs, ns))

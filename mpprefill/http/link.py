@@ -1,0 +1,142 @@
+"""The front's one DEALER to the scheduler, shared by every HTTP request in flight.
+
+A reader task takes each reply off the socket and hands it to the request waiting on its
+rid; requests send their frames and await their own future, so any number are in flight at
+once. The scheduler answers every generate exactly once (done or error), and a stats
+request that carries a rid echoes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from mpprefill.http.errors import UNKNOWN_RID
+from mpprefill.server import protocol
+
+logger = logging.getLogger(__name__)
+
+
+class NoReply(Exception):
+    """The scheduler did not answer within the request's deadline."""
+
+
+class RidInFlight(ValueError):
+    """A request whose rid another request in flight here holds."""
+
+
+class FrameTooLarge(Exception):
+    """A request whose frame the scheduler would refuse unread (protocol.MAX_FRAME_BYTES)."""
+
+
+class SchedulerLink:
+    def __init__(self, address: str):
+        self.address = address if "://" in address else f"tcp://{address}"
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, f"http-{uuid.uuid4().hex}".encode())
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_WIRE_BYTES)
+        # NOTE: frames wait in the front while the scheduler is unreachable, and a request
+        # that times out there is never delivered later to a scheduler that comes back.
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.connect(self.address)
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Run the reader; call from the event loop that serves the requests."""
+        self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+
+    def in_flight(self, rid: str) -> bool:
+        return rid in self._waiting
+
+    def rids(self) -> list[str]:
+        return [rid for rid in self._waiting if not rid.startswith("stats-")]
+
+    async def generate(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        bootstrap_room: int | None,
+        timeout: float,
+    ) -> dict[str, Any]:
+        """The scheduler's reply; a request cancelled or timed out here is aborted there."""
+        frame = protocol.generate_frame(rid, input_ids, sampling_params, bootstrap_room)
+        if len(frame) > protocol.MAX_FRAME_BYTES:
+            limit = protocol.MAX_FRAME_BYTES
+            raise FrameTooLarge(f"a request of {len(frame)} bytes is over the limit of {limit}")
+        try:
+            return await self._request(rid, frame, timeout)
+        except (asyncio.CancelledError, NoReply):
+            await self.abort(rid)
+            raise
+
+    async def stats(self, timeout: float) -> dict[str, Any]:
+        rid = f"stats-{uuid.uuid4().hex}"
+        return await self._request(rid, json.dumps({"type": "stats", "rid": rid}).encode(), timeout)
+
+    async def abort(self, rid: str) -> None:
+        """No reply of its own: the request's reply says it was aborted. Never waits: an
+        abort that cannot be queued has no scheduler to reach."""
+        try:
+            await self.sock.send(protocol.abort_frame(rid), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("could not send the abort of %.64r: the scheduler is unreachable", rid)
+
+    async def _request(self, rid: str, frame: bytes, timeout: float) -> dict[str, Any]:
+        if rid in self._waiting:
+            raise RidInFlight(f"rid {rid[:64]!r} is already in flight")
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        try:
+            await asyncio.wait_for(self._send_and_wait(frame, fut), timeout)
+        except asyncio.TimeoutError:
+            raise NoReply(f"no reply from the scheduler within {timeout:g} s") from None
+        finally:
+            if self._waiting.get(rid) is fut:
+                del self._waiting[rid]
+        return fut.result()
+
+    async def _send_and_wait(self, frame: bytes, fut: asyncio.Future) -> None:
+        await self.sock.send(frame)
+        await fut
+
+    async def _read_replies(self) -> None:
+        while True:
+            frame = await self.sock.recv()
+            try:
+                reply = json.loads(frame)
+            except ValueError:
+                logger.warning("unreadable reply from the scheduler (%d bytes)", len(frame))
+                continue
+            self._route(reply)
+
+    def _route(self, reply: Any) -> None:
+        if not isinstance(reply, dict):
+            logger.warning("a reply from the scheduler that is not an object")
+            return
+        rid = reply.get("rid")
+        if reply.get("status") == "error" and reply.get("error") == UNKNOWN_RID:
+            return  # the answer to an abort that came after its request's reply
+        fut = self._waiting.pop(rid, None) if isinstance(rid, str) else None
+        if fut is None or fut.done():
+            logger.debug("a reply for no request in flight (rid %.64r)", rid)
+            return
+        fut.set_result(reply)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for fut in self._waiting.values():
+            fut.cancel()
+        self.sock.close(linger=0)
+        self.ctx.term()

@@ -1,0 +1,133 @@
+"""SGLang's /generate bodies as protocol requests, replies as SGLang's bodies, and the
+status of each scheduler error: in this process, no sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpprefill.http import bodies, errors
+from mpprefill.http.errors import HttpError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_single_body_with_sglang_defaults_and_unknown_keys_ignored():
+    body = bodies.parse_generate(
+        {
+            "input_ids": [1, 2, 3],
+            "rid": "a",
+            "sampling_params": {"top_k": 5, "stop_token_ids": [2], "ignore_eos": True},
+            "bootstrap_room": 11,
+            "bootstrap_host": "h",
+            "whatever": 1,
+        }
+    )
+    assert (body.batch, body.stream) == (False, False)
+    (item,) = body.items
+    assert (item.rid, item.input_ids, item.text, item.bootstrap_room) == ("a", [1, 2, 3], None, 11)
+    assert item.sampling_params == {"temperature": 1.0, "top_p": 1.0, "top_k": 5, "min_p": 0.0}
+    assert item.max_new_tokens == 128 and item.skip_special_tokens
+
+
+def test_batch_fans_out_lists_and_single_values():
+    body = bodies.parse_generate(
+        {
+            "text": ["x", "y"],
+            "sampling_params": [{"temperature": 0}, {"max_new_tokens": 0, "sampling_seed": 3}],
+            "bootstrap_room": 5,
+            "stream": True,
+        }
+    )
+    assert body.batch and body.stream
+    a, b = body.items
+    assert (a.text, b.text) == ("x", "y") and a.rid != b.rid
+    assert (a.bootstrap_room, b.bootstrap_room) == (5, 5)
+    assert a.sampling_params["temperature"] == 0
+    assert (b.max_new_tokens, b.sampling_params["max_new_tokens"]) == (0, 1)
+    assert b.sampling_params["seed"] == 3
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,
+        {"input_ids": [[1], 2]},
+        {"text": []},
+        {"text": ["a", 1]},
+        {"input_ids": [1], "rid": ""},
+        {"input_ids": [1], "rid": "r" * 300},
+        {"input_ids": [1], "bootstrap_room": True},
+        {"input_ids": [1], "bootstrap_room": 2**63},
+        {"input_ids": [1], "sampling_params": {"seed": -1}},
+        {"input_ids": [1], "sampling_params": {"max_new_tokens": 1.5}},
+        {"input_ids": [[1], [2]], "sampling_params": [{}, {}, {}]},
+    ],
+)
+def test_bad_bodies_are_400(body):
+    with pytest.raises(HttpError) as e:
+        bodies.parse_generate(body)
+    assert e.value.status == 400 and e.value.body()["error"]["code"] == 400
+
+
+def test_text_without_a_tokenizer_is_400():
+    items = bodies.parse_generate({"text": "hello"}).items
+    with pytest.raises(HttpError) as e:
+        bodies.tokenize(items, None)
+    assert e.value.status == 400 and "tokenizer" in e.value.message
+
+
+def _item(max_new: int = 128) -> bodies.GenerateItem:
+    sampling = {"max_new_tokens": max_new}
+    return bodies.parse_generate(
+        {"input_ids": [4, 5], "rid": "q", "sampling_params": sampling}
+    ).items[0]
+
+
+def test_done_reply_is_sglangs_body():
+    reply = {"rid": "q", "status": "done", "first_token": 9, "prompt_tokens": 2, "cached_tokens": 1}
+    out = bodies.generate_reply(_item(), reply, 0.25, None)
+    assert out == {
+        "output_ids": [9],
+        "meta_info": {
+            "id": "q",
+            "finish_reason": {"type": "length", "length": 1},
+            "prompt_tokens": 2,
+            "completion_tokens": 1,
+            "cached_tokens": 1,
+            "e2e_latency": 0.25,
+        },
+    }
+    assert bodies.generate_reply(_item(0), reply, 0.1, None)["output_ids"] == []
+
+
+def test_aborted_reply_is_an_abort_finish_and_other_errors_raise():
+    aborted = {"rid": "q", "status": "error", "error": errors.ABORTED}
+    out = bodies.generate_reply(_item(), aborted, 0.1, None)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    with pytest.raises(HttpError) as e:
+        bodies.generate_reply(
+            _item(), {"rid": "q", "status": "error", "error": "overloaded"}, 0, None
+        )
+    assert e.value.status == 503
+
+
+@pytest.mark.parametrize(
+    ("reason", "status"),
+    [
+        ("overloaded", 503),
+        ("server shutting down", 503),
+        ("frame of 5000000 bytes exceeds the limit of 4194304 bytes", 413),
+        ("empty input_ids", 400),
+        ("token id 99999 outside the vocabulary [0, 4096)", 400),
+        ("prompt of 90 tokens exceeds the context length 64", 400),
+        ("prompt of 9000 tokens exceeds the KV pool (4096 tokens)", 400),
+        ("sampling_params: sampling_params.top_p must be in (0, 1], got 0", 400),
+        ("duplicate rid while the first is live", 400),
+        ("worker failure: the forward process exited", 500),
+        ("transfer failure: thread died", 500),
+        ("bootstrap timed out", 500),
+        ("internal server error", 500),
+    ],
+)
+def test_scheduler_errors_map_to_statuses(reason, status):
+    assert errors.status_of(reason) == status
