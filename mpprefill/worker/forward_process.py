@@ -46,6 +46,7 @@ from mpprefill.worker.staging import pin_segments, read_slot
 
 logger = logging.getLogger("mpprefill.worker")
 NUM_RESULT_SLOTS = 2
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +210,10 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
         sys.exit(1)
     args = ServerArgs(**setup.args)
     set_torch_threads(args.worker_threads)
+    # NOTE: the receiving and sending threads wait for the GIL while the forward thread
+    # issues; at the default 5 ms a request that arrived mid-forward is often still unread
+    # when the forward ends, and the device waits for it.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     if args.trace_dir:
         set_tracer(Tracer("worker", enabled=True))
     requests = ipc.Channel(endpoints[0], bind=False, peer_pid=parent, peer_is_parent=True)
