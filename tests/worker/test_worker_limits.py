@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ipc
+from mpprefill.bench.procs import children
 from mpprefill.config import ServerArgs
 from mpprefill.engine import PrefillEngine
 from mpprefill.model import ForwardBatch, ModelConfig
@@ -124,30 +125,14 @@ def test_a_failed_start_leaves_no_process_segment_or_socket(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     mine = f"mpp_{os.getpid()}_"
     before = set(ipc.list_segments(mine))
-    children = set(_children())
+    before_children = set(children(os.getpid()))
     with pytest.raises(WorkerDied):
         ProcessWorker(ServerArgs(forward_mode="proc", model_path=str(tmp_path)))
     assert set(ipc.list_segments(mine)) == before
     deadline = time.monotonic() + 5
-    while set(_children()) - children and time.monotonic() < deadline:
+    while set(children(os.getpid())) - before_children and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert set(_children()) - children == set()
-
-
-def _children() -> list[int]:
-    """Live child processes of this one."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            out.append(int(pid))
-    return out
+    assert set(children(os.getpid())) - before_children == set()
 
 
 def test_staging_holds_the_longest_prompt_admission_takes():
