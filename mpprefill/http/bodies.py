@@ -5,7 +5,7 @@ A body is one request or a batch: `text` a list of strings, or `input_ids` a lis
 lists. In a batch, `rid` is a list (one per prompt), and `sampling_params` and the
 `bootstrap_*` fields are lists or one value for every prompt. Unknown fields, and unknown
 `sampling_params` keys, are ignored, as SGLang does; those the scheduler's protocol does not
-carry (`stop_token_ids`, `ignore_eos`, `bootstrap_host`, `bootstrap_port`, ...) as well.
+carry (`skip_special_tokens`, `return_logprob`, ...) as well.
 """
 
 from __future__ import annotations

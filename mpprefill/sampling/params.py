@@ -30,6 +30,19 @@ def _integer(name: str, value: object) -> int:
     return value
 
 
+def _token_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"sampling_params.stop_token_ids must be a list, got {type(value).__name__}"
+        )
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"sampling_params.stop_token_ids must hold token ids >= 0, got {t!r}")
+    return tuple(value)
+
+
 def _require(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
         raise ValueError(f"sampling_params.{name} must be {rule}, got {value!r}")
@@ -45,6 +58,9 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_new_tokens: int = 1
+    # Where generation stops (the decode side; the prefill samples one token and ignores them).
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p"):
@@ -53,6 +69,10 @@ class SamplingParams:
         _integer("max_new_tokens", self.max_new_tokens)
         if self.seed is not None:
             _integer("seed", self.seed)
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            kind = type(self.ignore_eos).__name__
+            raise ValueError(f"sampling_params.ignore_eos must be a boolean, got {kind}")
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -82,4 +102,6 @@ class SamplingParams:
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out

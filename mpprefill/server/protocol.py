@@ -38,7 +38,8 @@ MAX_FRAME_BYTES = 4 << 20
 MAX_WIRE_BYTES = 64 << 20
 MAX_RID_CHARS = 256
 MAX_ERROR_CHARS = 1024
-MAX_ROOM = 2**63 - 1  # bootstrap rooms are int64 on every transfer backend
+MAX_ROOM = 2**63 - 1
+MAX_HOST_CHARS = 255  # bootstrap rooms are int64 on every transfer backend
 REPLY_HWM = 8192
 REQUEST_HWM = 256
 SNIFF_BYTES = 1024  # head of an oversize frame searched for its rid
@@ -62,6 +63,11 @@ class Generate:
     input_ids: list[int]
     sampling_params: SamplingParams
     bootstrap_room: int | None
+    # Where the prefill that computes this room's KV serves its bootstrap endpoint (a decode
+    # side's request; the prefill side ignores them, as SGLang's does).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    stream: bool = False  # the decode side sends "partial" replies as tokens come
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,14 +125,23 @@ def _generate(obj: dict[str, Any], rid: str | None) -> Generate:
     room = obj.get("bootstrap_room")
     if room is not None and (type(room) is not int or not 0 <= room <= MAX_ROOM):
         raise ProtocolError("bootstrap_room must be an integer in [0, 2**63)", rid)
+    host = obj.get("bootstrap_host")
+    if host is not None and (not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS):
+        raise ProtocolError(f"bootstrap_host must be a string of 1..{MAX_HOST_CHARS} chars", rid)
+    port = obj.get("bootstrap_port")
+    if port is not None and (type(port) is not int or not 0 < port < 65536):
+        raise ProtocolError("bootstrap_port must be an integer in [1, 65535]", rid)
+    stream = obj.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ProtocolError("stream must be a boolean", rid)
     try:
         params = SamplingParams.from_dict(obj.get("sampling_params"))
     except (ValueError, TypeError) as e:
         raise ProtocolError(f"sampling_params: {e}", rid) from None
-    unknown = set(obj) - {"type", "rid", "input_ids", "sampling_params", "bootstrap_room"}
+    unknown = set(obj) - _GENERATE_FIELDS
     if unknown:
         raise ProtocolError(f"unknown fields {_short(sorted(unknown))}", rid)
-    return Generate(rid, ids, params, room)
+    return Generate(rid, ids, params, room, host, port, stream)
 
 
 def _abort(obj: dict[str, Any], rid: str | None) -> Abort:
@@ -135,6 +150,18 @@ def _abort(obj: dict[str, Any], rid: str | None) -> Abort:
     return Abort(rid)
 
 
+_GENERATE_FIELDS = frozenset(
+    (
+        "type",
+        "rid",
+        "input_ids",
+        "sampling_params",
+        "bootstrap_room",
+        "bootstrap_host",
+        "bootstrap_port",
+        "stream",
+    )
+)
 _PARSERS = {"generate": _generate, "abort": _abort, "stats": lambda o, rid: Stats(rid)}
 
 
@@ -143,14 +170,23 @@ def generate_frame(
     input_ids: list[int],
     sampling_params: dict[str, Any] | None = None,
     bootstrap_room: int | None = None,
+    bootstrap_host: str | None = None,
+    bootstrap_port: int | None = None,
+    stream: bool = False,
 ) -> bytes:
     """A client's generate frame: greedy unless `sampling_params` says otherwise; no
-    `bootstrap_room` key when none is given."""
+    `bootstrap_*` or `stream` key when none is given."""
     # NOTE: rid right after type, so `sniff_rid` can read it from an oversize frame's head.
-    msg = {"type": "generate", "rid": rid, "input_ids": input_ids}
+    msg: dict[str, Any] = {"type": "generate", "rid": rid, "input_ids": input_ids}
     msg["sampling_params"] = sampling_params or {"temperature": 0.0}
-    if bootstrap_room is not None:
-        msg["bootstrap_room"] = bootstrap_room
+    optional = {
+        "bootstrap_room": bootstrap_room,
+        "bootstrap_host": bootstrap_host,
+        "bootstrap_port": bootstrap_port,
+    }
+    msg.update((k, v) for k, v in optional.items() if v is not None)
+    if stream:
+        msg["stream"] = True
     return _dump(msg)
 
 
@@ -167,7 +203,19 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def done_reply(rid: str, first_token: int, prompt_tokens: int, cached_tokens: int) -> bytes:
+def done_reply(
+    rid: str,
+    first_token: int,
+    prompt_tokens: int,
+    cached_tokens: int,
+    output_ids: list[int] | None = None,
+    finish_reason: dict[str, Any] | None = None,
+) -> bytes:
+    """A finished request. The prefill side's output is its one sampled token; a decode
+    side's is every token it generated, the prefill's first token first."""
+    output_ids = [first_token] if output_ids is None else output_ids
+    if finish_reason is None:
+        finish_reason = {"type": "length", "length": len(output_ids)}
     return _dump(
         {
             "rid": rid,
@@ -175,8 +223,17 @@ def done_reply(rid: str, first_token: int, prompt_tokens: int, cached_tokens: in
             "first_token": first_token,
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,
+            "output_ids": output_ids,
+            "completion_tokens": len(output_ids),
+            "finish_reason": finish_reason,
         }
     )
+
+
+def partial_reply(rid: str, output_ids: list[int]) -> bytes:
+    """A streamed request's tokens generated since its previous reply; its last reply is a
+    done (or error) reply, which repeats every token."""
+    return _dump({"rid": rid, "status": "partial", "output_ids": output_ids})
 
 
 def error_reply(rid: str | None, error: str) -> bytes:

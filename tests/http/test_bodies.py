@@ -25,7 +25,14 @@ def test_single_body_with_sglang_defaults_and_unknown_keys_ignored():
     assert (body.batch, body.stream) == (False, False)
     (item,) = body.items
     assert (item.rid, item.input_ids, item.text, item.bootstrap_room) == ("a", [1, 2, 3], None, 11)
-    assert item.sampling_params == {"temperature": 1.0, "top_p": 1.0, "top_k": 5, "min_p": 0.0}
+    assert item.sampling_params == {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 5,
+        "min_p": 0.0,
+        "stop_token_ids": [2],
+        "ignore_eos": True,
+    }
     assert item.max_new_tokens == 128 and item.skip_special_tokens
 
 

@@ -31,5 +31,54 @@ def test_generate_frame_rid_readable_from_its_head():
     assert protocol.sniff_rid(frame[: protocol.SNIFF_BYTES]) == "big"
 
 
+def test_generate_frame_carries_the_decode_sides_fields():
+    frame = protocol.generate_frame(
+        "r", [1], {"max_new_tokens": 4, "stop_token_ids": [2]}, 7, "10.0.0.1", 8998, stream=True
+    )
+    msg = protocol.parse_frame(frame)
+    assert (msg.bootstrap_room, msg.bootstrap_host, msg.bootstrap_port, msg.stream) == (
+        7,
+        "10.0.0.1",
+        8998,
+        True,
+    )
+    assert msg.sampling_params.max_new_tokens == 4 and msg.sampling_params.stop_token_ids == (2,)
+    plain = protocol.parse_frame(protocol.generate_frame("r", [1]))
+    assert (plain.bootstrap_host, plain.bootstrap_port, plain.stream) == (None, None, False)
+
+
+def test_generate_frame_refuses_bad_decode_fields():
+    import pytest
+
+    base = {"type": "generate", "rid": "r", "input_ids": [1]}
+    for extra, field in [
+        ({"bootstrap_port": 0}, "bootstrap_port"),
+        ({"bootstrap_port": "80"}, "bootstrap_port"),
+        ({"bootstrap_host": ""}, "bootstrap_host"),
+        ({"bootstrap_host": "h" * 300}, "bootstrap_host"),
+        ({"stream": 1}, "stream"),
+    ]:
+        with pytest.raises(protocol.ProtocolError, match=field):
+            protocol.parse_frame(json.dumps(base | extra).encode())
+
+
+def test_done_and_partial_replies():
+    done = json.loads(protocol.done_reply("r", 5, 3, 1))
+    assert done["output_ids"] == [5] and done["completion_tokens"] == 1
+    assert done["finish_reason"] == {"type": "length", "length": 1}
+    stop = {"type": "stop", "matched": 2}
+    done = json.loads(protocol.done_reply("r", 5, 3, 1, [5, 6, 2], stop))
+    assert (done["output_ids"], done["completion_tokens"], done["finish_reason"]) == (
+        [5, 6, 2],
+        3,
+        stop,
+    )
+    assert json.loads(protocol.partial_reply("r", [6])) == {
+        "rid": "r",
+        "status": "partial",
+        "output_ids": [6],
+    }
+
+
 def test_abort_frame_parses_back():
     assert protocol.parse_frame(protocol.abort_frame("r3")) == protocol.Abort("r3")

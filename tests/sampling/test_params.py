@@ -28,6 +28,15 @@ def test_round_trip() -> None:
     assert SamplingParams.from_dict(p.to_dict()) == p
 
 
+def test_stop_settings_round_trip_as_json_lists() -> None:
+    d = {"stop_token_ids": [5, 7], "ignore_eos": True, "max_new_tokens": 9}
+    p = SamplingParams.from_dict(d)
+    assert p.stop_token_ids == (5, 7) and p.ignore_eos and p.max_new_tokens == 9
+    assert p.to_dict()["stop_token_ids"] == [5, 7]
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    assert SamplingParams.from_dict({"stop_token_ids": None}).stop_token_ids == ()
+
+
 def test_missing_or_null_object_gives_defaults() -> None:
     assert SamplingParams.from_dict({}) == SamplingParams()
     assert SamplingParams.from_dict(None) == SamplingParams()
@@ -61,6 +70,11 @@ BAD = [
     ({"seed": "7"}, "seed"),
     ({"seed": 1.0}, "seed"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"stop_token_ids": 3}, "stop_token_ids"),
+    ({"stop_token_ids": [1, -1]}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"stop_token_ids": ["2"]}, "stop_token_ids"),
+    ({"ignore_eos": 1}, "ignore_eos"),
     ({"temperature": 10**400}, "temperature"),
 ]
 
