@@ -1,18 +1,20 @@
 """SwaRadixCache: a RadixCache whose nodes may drop their sliding-window KV ("tombstones").
 
 Full-attention KV is kept as in RadixCache; the KV of window-W layers (SwaPagedAllocator's
-SWA pool) is needed only for the last W positions before wherever a query starts, so a
-node may lose it on its own and stay in the tree for its full KV.
+SWA pool) is needed only for the W - 1 positions before wherever a query starts (a query
+at m reads keys m - W < j <= m, and m itself is computed), so a node may lose it on its
+own and stay in the tree for its full KV.
 
-    position     0 ...... 8 ...... 16 ..... 24 ..... 32        W = 8, page 4
+    position     0 ...... 8 ...... 16 ..... 24 ..... 32        W = 9, page 4
     node         [ tomb  ][ tomb   ][  SWA  ][  SWA  ]
     match        m = 32: [24, 32) has SWA -> valid; m = 16: [8, 16) tombstoned -> not
     lock at 32   full lock on all four nodes, SWA lock on the node(s) meeting [24, 32)
 
 NOTE: SWA locks are counted per lock depth D (`node.swa_locks[D]`): a lock on the node
-ending at D SWA-locks every path node whose range meets [D - W, D). Positions never move,
-so after a split the upper part keeps the depths that still reach it (D - W < its end)
-and dec_lock_ref walks the same condition: locks stay exactly reversible.
+ending at D SWA-locks every path node whose range meets [D - W + 1, D). Positions never
+move, so after a split the upper part keeps the depths that still reach it
+(D - W + 1 < its end) and dec_lock_ref walks the same condition: locks stay exactly
+reversible. With W = 1 a match needs no SWA KV at all and a lock SWA-locks nothing.
 """
 
 from __future__ import annotations
@@ -76,12 +78,12 @@ class SwaRadixCache(RadixCache):
         return self._swa_evictable + self._swa_protected
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """The longest cached prefix of length m whose window [m - W, m) has SWA KV."""
+        """The longest cached prefix of length m whose window [m - W + 1, m) has SWA KV."""
         full = super().match_prefix(token_ids)
         node = last = full.last_node
         while node is not self.root:
             node.swa_cold = False  # matched: someone else may want it
-            if node.tombstone and node.end > max(0, last.end - self.sliding_window):
+            if node.tombstone and node.end > max(0, self._window_start(last.end)):
                 last = node.parent
             node = node.parent
         return MatchResult(full.indices[: last.end], last)
@@ -218,7 +220,7 @@ class SwaRadixCache(RadixCache):
     def _split(self, child: SwaTreeNode, n: int) -> SwaTreeNode:
         upper = super()._split(child, n)
         upper.tombstone, upper.swa_cold = child.tombstone, child.swa_cold
-        reach = upper.end + self.sliding_window
+        reach = upper.end + self.sliding_window - 1
         upper.swa_locks = {d: c for d, c in child.swa_locks.items() if d < reach}
         if child.swa_locks and not upper.swa_locks and not child.tombstone:
             self._swa_protected -= n
@@ -230,15 +232,19 @@ class SwaRadixCache(RadixCache):
         self._swa_evictable += len(key)
 
     def _window(self, node: SwaTreeNode) -> Iterator[SwaTreeNode]:
-        """The path nodes that a lock on node SWA-locks: those meeting [end - W, end)."""
-        depth, n = node.end, node
-        while n is not self.root and n.end > depth - self.sliding_window:
+        """The path nodes that a lock on node SWA-locks: those meeting [end - W + 1, end)."""
+        start, n = self._window_start(node.end), node
+        while n is not self.root and n.end > start:
             yield n
             n = n.parent
 
     def _locked_below(self, node: SwaTreeNode, end: int) -> bool:
         """Would node's part [start, end) keep an SWA lock?"""
-        return any(d - self.sliding_window < end for d in node.swa_locks)
+        return any(self._window_start(d) < end for d in node.swa_locks)
+
+    def _window_start(self, depth: int) -> int:
+        """First key position a query at `depth` reads from the cache: depth - W + 1."""
+        return depth - self.sliding_window + 1
 
     def _can_drop_swa(self, node: SwaTreeNode) -> bool:
         return not node.tombstone and not node.swa_locks
