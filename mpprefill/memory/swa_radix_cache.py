@@ -27,7 +27,7 @@ from typing import Protocol
 from torch import Tensor
 
 from mpprefill.memory.allocator import cdiv
-from mpprefill.memory.radix_cache import CacheableReq, MatchResult, RadixCache, TreeNode
+from mpprefill.memory.radix_cache import Adopted, CacheableReq, MatchResult, RadixCache, TreeNode
 from mpprefill.memory.req_to_token import ReqToTokenPool
 from mpprefill.memory.swa_allocator import SwaPagedAllocator
 
@@ -168,10 +168,43 @@ class SwaRadixCache(RadixCache):
         elif lo < hi:
             self._leave_window(req.last_node, lo, hi)
 
-    def _leave_window(self, node: SwaTreeNode, lo: int, hi: int) -> None:
+    def insert_loaded(
+        self, token_ids: Sequence[int], slots: Tensor, fresh_from: int, swa_from: int
+    ) -> Adopted:
+        """As RadixCache's, with SWA KV only at [swa_from, len(token_ids)) (a checkpoint):
+        fresh pages below swa_from become tombstones, those past it revive tombstones the
+        tree holds for the same tokens (as a computed request's copies do).
+
+            position   0 ... fresh_from ........ swa_from ......... n
+            slots      [ tree ][ fresh           ][ fresh           ]
+            after      [ tree ][ full KV only    ][ full and SWA KV ]
+        """
+        ps, n = self.page_size, len(token_ids)
+        if swa_from % ps or not fresh_from <= swa_from <= n:
+            raise ValueError(f"insert_loaded: bad SWA start {swa_from} for [{fresh_from}, {n})")
+        fresh = slots[fresh_from::ps] // ps
+        fresh_swa = self.allocator.swa_page_of[fresh].clone()
+        if fresh_from < swa_from < n:
+            RadixCache.match_prefix(self, token_ids[:swa_from])  # no node straddles swa_from
+        row = slots.clone()
+        self._revive_row(row, token_ids, swa_from)
+        present = RadixCache.insert(self, token_ids, row)
+        self.allocator.free(row[fresh_from:present])
+        if present < swa_from:
+            last = RadixCache.match_prefix(self, token_ids).last_node
+            self._leave_window(last, present, swa_from, tombstone=True)
+        pages = self.path_slots(token_ids)[::ps] // ps
+        mine = self._fresh_pages(pages, fresh_from // ps, fresh)
+        swa_pages = self.allocator.swa_page_of[pages]
+        theirs = self._fresh_pages(swa_pages, swa_from // ps, fresh_swa[fresh_swa >= 0])
+        swa_slots = self.allocator.swa.slots_of(swa_pages[theirs])
+        return Adopted(mine, self.allocator.slots_of(pages[mine]), theirs, swa_slots)
+
+    def _leave_window(self, node: SwaTreeNode, lo: int, hi: int, tombstone: bool = False) -> None:
         """Mark positions [lo, hi) on node's path cold (or tombstone them, with
-        free_out_of_window), splitting nodes at lo and hi, except those an SWA lock still
-        needs."""
+        free_out_of_window or `tombstone`), splitting nodes at lo and hi, except those an
+        SWA lock still needs."""
+        tombstone = tombstone or self.free_out_of_window
         while node is not self.root and node.end > lo:
             start, end = node.start, min(node.end, hi)
             if max(start, lo) < end and not node.tombstone and not self._locked_below(node, end):
@@ -179,7 +212,7 @@ class SwaRadixCache(RadixCache):
                     node = self._split(node, end - start)
                 if start < lo:
                     self._split(node, lo - start)
-                if self.free_out_of_window:
+                if tombstone:
                     self._tombstone(node)
                 else:
                     node.swa_cold = True
@@ -193,15 +226,20 @@ class SwaRadixCache(RadixCache):
 
     def _revive(self, req: CacheableReq, token_ids: Sequence[int]) -> None:
         """Give tombstones the request's fresh copies of their pages, before RadixCache frees
-        those as duplicates: else a prefix once tombstoned would be recomputed forever.
+        those as duplicates: else a prefix once tombstoned would be recomputed forever."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        self._revive_row(row, token_ids, req.cache_protected_len)
+
+    def _revive_row(self, row: Tensor, token_ids: Sequence[int], lo: int) -> None:
+        """Revive the tombstones on token_ids' path from position lo on whose pages in `row`
+        (slots of token_ids, the caller's past lo) all have SWA KV.
 
         Unlocked: the node and the row swap slots, so the node's old pages are the ones
         freed, and the row is rewritten with the node's new ones. Locked: the rows of its
-        holders keep its slots, so the request's SWA pages move under the node's pages.
+        holders keep its slots, so the row's SWA pages move under the node's pages.
         """
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         node = RadixCache.match_prefix(self, token_ids).last_node
-        while node is not self.root and node.start >= req.cache_protected_len:
+        while node is not self.root and node.start >= lo:
             mine = row[node.start : node.end]
             if node.tombstone and bool(self.allocator.has_swa(mine).all()):
                 if node.lock_ref == 0:

@@ -264,6 +264,8 @@ class Scheduler:
 
     def submit(self, snap: ForwardSnapshot) -> None:
         t0 = clock_ns()
+        if self.host_tier is not None:
+            self.host_tier.note_submit(snap.input)
         self.worker.submit(snap.input)
         self.forwards_in_flight += 1
         self.metrics.add_phase("submit", t0, snap.seq)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpprefill.memory.host.store import HostKVStore
+from mpprefill.memory.host.store import HostKVStore, PoolWrite
 from mpprefill.memory.kv_cache import KVCache
 
 PS = 4
@@ -36,9 +36,9 @@ def hold(store: HostKVStore, gate: threading.Event) -> None:
 
 def write(store: HostKVStore, kv: KVCache, ids: list[int], device_slots: torch.Tensor):
     """Reserve and write back ids' missing pages from device_slots (one slot per token of ids)."""
-    first, host_slots, entries = store.reserve(ids)
+    first, host_slots, entries, _ = store.reserve(ids)
     start = first * PS
-    store.write(kv, device_slots[start : start + len(host_slots)], host_slots, entries)
+    store.write(kv, PoolWrite(device_slots[start : start + len(host_slots)], host_slots), entries)
     return first, host_slots, entries
 
 
@@ -130,7 +130,7 @@ def test_writes_in_flight_are_never_evicted():
     write(store, kv, tokens(2, 2), torch.arange(8, 16))  # two pages in flight
     _, host_slots, _ = write(store, kv, tokens(3, 4), torch.arange(16, 32))
     assert len(host_slots) == 2 * PS  # only the two ready pages could be evicted
-    _, host_slots, entries = store.reserve(tokens(4, 1))
+    _, host_slots, entries, _ = store.reserve(tokens(4, 1))
     assert len(host_slots) == 0 and entries == []  # everything is in flight now
     store.check()
     assert store.match(tokens(1, 2)) == []
