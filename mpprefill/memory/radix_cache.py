@@ -153,6 +153,11 @@ class RadixCache:
         the sliding-window layers hold (RadixCache's own match)."""
         return RadixCache.match_prefix(self, token_ids).indices
 
+    def node_at(self, token_ids: Sequence[int]) -> TreeNode:
+        """The node where the tree's path of token_ids ends (split there), whatever the
+        sliding-window layers hold; no access is recorded beyond RadixCache's match."""
+        return RadixCache.match_prefix(self, token_ids).last_node
+
     def insert_loaded(
         self, token_ids: Sequence[int], slots: Tensor, fresh_from: int, swa_from: int
     ) -> Adopted:

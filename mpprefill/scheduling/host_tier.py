@@ -1,12 +1,16 @@
 """HostTier: the host KV store wired to the scheduler's radix cache, allocator and KV pool.
 
-Four entry points, all on the scheduler thread:
+The entry points run on the scheduler thread and only plan and retire; every copy runs on
+the store's copy thread (`HostCopier`), in the order planned:
 - `match_prefix` (admission): a device match, extended by loading the ready host pages that
   follow it into fresh device pages, which join the tree before the request locks them.
+  The load is queued; `wait_loads` (before the next early send and submit) orders it
+  before anything reads those pages.
 - `write_back` (result processing): the committed pages of requests whose final chunk just
   finished are written back to host slots: one gather and one copy for the whole set (or
-  one per request with batched write-back off).
-- `retire` (top of every loop iteration): finished copies become matchable.
+  one per request with batched write-back off). The tier locks the tree nodes whose pages
+  the copy reads until it retires, so none is evicted and reused under it.
+- `retire` (top of every loop iteration): finished copies become matchable, their locks go.
 - `note_submit` (each submit): which SWA pages a forward writes, the SWA pool's KV fence.
 
 With sliding-window (SWA) layers a prefix of length m is usable only with the SWA KV of
@@ -23,7 +27,10 @@ below it.
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -33,7 +40,7 @@ from mpprefill.memory.allocator import PagedTokenAllocator
 from mpprefill.memory.host.index import HostPage
 from mpprefill.memory.host.store import HostKVStore, PoolWrite, Reservation
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.memory.radix_cache import MatchResult, RadixCache
+from mpprefill.memory.radix_cache import MatchResult, RadixCache, TreeNode
 from mpprefill.scheduling.kv_pools import reclaim
 from mpprefill.scheduling.metrics import SchedulerMetrics
 from mpprefill.scheduling.req import Req
@@ -65,6 +72,17 @@ class WritebackPlan(NamedTuple):
     entries: list[HostPage]
     swa: PoolWrite | None
     swa_entries: list[HostPage]
+    nodes: list[TreeNode]  # locked until the copy retires: their pages are read
+
+
+class _Held(NamedTuple):
+    future: Future
+    nodes: list[TreeNode]
+    num_reqs: int
+
+
+MAX_STAGING_LOG = 4096
+logger = logging.getLogger(__name__)
 
 
 class HostTier:
@@ -95,6 +113,10 @@ class HostTier:
         self.batched_writeback = batched_writeback
         self.metrics = metrics or SchedulerMetrics()
         self.writeback_calls = 0  # gathers (each followed by one copy) issued by write_back
+        self._held: deque[_Held] = deque()  # write-backs in flight, oldest first
+        self._loads: list[Future] = []  # loads not yet waited for
+        # (finishing requests, copy-thread seconds) of each retired write-back
+        self.staging_log: deque[tuple[int, float]] = deque(maxlen=MAX_STAGING_LOG)
 
     def note_submit(self, inp: ForwardInput) -> None:
         """Forward inp.seq writes these SWA pages: a load into one waits for it."""
@@ -155,22 +177,36 @@ class HostTier:
             swa_from = max(len(prefix), self._window_page(n * ps) * ps)
         row = torch.cat([prefix, slots])
         got = self.tree.insert_loaded(token_ids[: n * ps], row, len(prefix), swa_from)
-        self._wait_writes(got.full_slots, got.swa_slots)
+        before = self._writes_before(got.full_slots, got.swa_slots)
         full = [chain[p] for p in got.full_pages.tolist()]
         swa = [chain[p] for p in got.swa_pages.tolist()]
-        self.store.load(full, self.kv, got.full_slots, swa, got.swa_slots)
+        self._loads.append(
+            self.store.load(full, self.kv, got.full_slots, swa, got.swa_slots, before)
+        )
         self.metrics.host_loaded_tokens += len(full) * ps
 
-    def _wait_writes(self, full_slots: Tensor, swa_slots: Tensor) -> None:
-        """NOTE: freed pages can be handed out while the forward in flight still writes
+    def _writes_before(self, full_slots: Tensor, swa_slots: Tensor) -> Callable[[], None] | None:
+        """What a load must wait for (on the copy thread) before it writes these slots.
+
+        NOTE: freed pages can be handed out while the forward in flight still writes
         them (a request's duplicate copies, SWA pages out of its window); load only once
         that forward is done."""
         if self.fence is None:
-            return
+            return None
         gen = self.fence.required(torch.unique(full_slots // self.page_size))
         if self._swa_writer is not None and len(swa_slots):
             gen = max(gen, int(self._swa_writer[swa_slots // self.page_size].max()))
-        self.fence.wait(gen)
+        if self.fence.done(gen):
+            return None
+        fence = self.fence
+        return lambda: fence.wait(gen)
+
+    def wait_loads(self) -> None:
+        """Block until every load queued so far has filled its device pages: before an
+        early send or a submit, which read them."""
+        loads, self._loads = self._loads, []
+        for future in loads:
+            future.result()  # a failed load is a bug: raise it on the scheduler thread
 
     def _alloc(self, num_pages: int) -> Tensor:
         reclaim(self.tree, self.allocator, num_pages)
@@ -203,28 +239,39 @@ class HostTier:
         device_slots = req.prefix_indices[start : start + len(res.host_slots)]
         full = PoolWrite(device_slots, res.host_slots)
         if self.window is None:
-            return WritebackPlan(full, res.entries, None, [])
-        pages = [p for p in self._checkpoint_pages(req, res) if res.chain[p].swa_page < 0]
+            return WritebackPlan(full, res.entries, None, [], [req.last_node])
+        ends = self._checkpoints(req, res)
+        pages = sorted(
+            {p for end in ends for p in range(self._window_page(end), end // self.page_size)}
+        )
+        pages = [p for p in pages if res.chain[p].swa_page < 0]
         host_slots, swa_entries = self.store.reserve_swa([res.chain[p] for p in pages])
         device = self._page_slots(req.prefix_indices, pages)
         swa = PoolWrite(self.allocator.translate(device), host_slots)
-        return WritebackPlan(full, res.entries, swa, swa_entries)
+        # NOTE: req.last_node ends at the committed end: its lock holds that window too
+        nodes = [req.last_node] + [self._node_at(req, end) for end in ends if end != committed]
+        return WritebackPlan(full, res.entries, swa, swa_entries, nodes)
 
-    def _checkpoint_pages(self, req: Req, res: Reservation) -> list[int]:
-        """Prompt pages of the windows before req's committed end, its cached prefix's end
-        and the first page the store lacked, where the device still has their SWA KV and
-        the store their page."""
+    def _checkpoints(self, req: Req, res: Reservation) -> list[int]:
+        """Prefix ends whose windows are checkpointed: req's committed end, its cached
+        prefix's end and the first page the store lacked, where the device still has the
+        window's SWA KV and the store its pages."""
         ps, held = self.page_size, len(res.chain)
         ends = {req.cache_protected_len, req.cached_tokens, res.first_page * ps}
-        pages: set[int] = set()
-        for end in ends:
+        kept = []
+        for end in sorted(ends):
             if end <= 0 or end % ps or end > held * ps:
                 continue
             window = list(range(self._window_page(end), end // ps))
-            slots = self._page_slots(req.prefix_indices, window)
-            if bool(self.allocator.has_swa(slots).all()):
-                pages.update(window)
-        return sorted(pages)
+            if bool(self.allocator.has_swa(self._page_slots(req.prefix_indices, window)).all()):
+                kept.append(end)
+        return kept
+
+    def _node_at(self, req: Req, end: int) -> TreeNode:
+        node = self.tree.node_at(req.fill_ids[:end])
+        if node.end != end:
+            raise RuntimeError(f"no tree node ends at {end} of a committed prefix")
+        return node
 
     def _page_slots(self, prefix: Tensor, pages: list[int]) -> Tensor:
         """Slots of the given prompt pages of a prefix, whole pages in order."""
@@ -233,24 +280,45 @@ class HostTier:
         return self.allocator.slots_of(starts // ps)
 
     def _write(self, plans: list[WritebackPlan]) -> None:
-        """One gather and one copy per pool for all of plans' pages."""
+        """One gather and one copy per pool for all of plans' pages, their nodes locked."""
         full = PoolWrite(*(torch.cat(parts) for parts in zip(*(p.full for p in plans))))
         entries = [e for p in plans for e in p.entries]
         swa, swa_entries = None, [e for p in plans for e in p.swa_entries]
         if swa_entries:
             swa = PoolWrite(*(torch.cat(x) for x in zip(*(p.swa for p in plans if p.swa))))
-        self.store.write(self.kv, full, entries, swa, swa_entries)
+        nodes = [n for p in plans for n in p.nodes]
+        for node in nodes:
+            self.tree.inc_lock_ref(node)
+        future = self.store.write(self.kv, full, entries, swa, swa_entries)
+        self._held.append(_Held(future, nodes, len(plans)))
         self.writeback_calls += 1
 
     # ---- retire, check --------------------------------------------------------------------
 
     def retire(self, wait: bool = False) -> int:
+        """Finished write-backs become matchable and unlock their nodes; with wait, all
+        of them (and the loads). Tokens written back."""
+        if wait:
+            self.wait_loads()
+        in_flight = self.store.writes_in_flight
         done = self.store.retire(wait)
+        for _ in range(in_flight - self.store.writes_in_flight):  # the same writes, in order
+            held = self._held.popleft()
+            self.staging_log.append((held.num_reqs, held.future.result()))
+            for node in held.nodes:
+                self.tree.dec_lock_ref(node)
         self.metrics.host_written_tokens += done
         return done
 
     def check(self) -> None:
         self.store.check()
+        assert len(self._held) == self.store.writes_in_flight, "host tier: write locks drifted"
 
     def close(self) -> None:
-        self.store.close()
+        """Wait for every copy, whatever its outcome, and stop the copy thread."""
+        try:
+            self.retire(wait=True)
+        except Exception:  # a dead worker's fence, a failed copy: the server is going
+            logger.exception("a host-tier copy failed; closing the host tier anyway")
+        finally:
+            self.store.close()

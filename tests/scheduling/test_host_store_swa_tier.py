@@ -43,6 +43,7 @@ class SwaDevice:
             match = self.tree.match_prefix(ids[:limit])
         else:
             match, _ = tier.match_prefix(ids, limit, lambda: 100, partial=True)
+            tier.wait_loads()
         self.tree.inc_lock_ref(match.last_node)
         p = len(match.indices)
         req.prefix_indices, req.last_node = match.indices, match.last_node
@@ -150,6 +151,7 @@ def test_a_host_hit_loads_full_pages_and_the_window_and_tombstones_the_rest():
     full = only_on_the_host(dev, tier, ids)
     window_host = tier.store.swa_kv.gather(tier.store.swa_slots_of(tier.store.match(ids)[4:6]))
     match, left = tier.match_prefix(ids, 6 * PS, lambda: 100, partial=False)
+    tier.wait_loads()
     assert left == 0 and len(match.indices) == 6 * PS  # crosses the window: 24 > W
     assert torch.equal(dev.kv.buffer.index_select(2, match.indices), full)
     assert torch.equal(dev.swa(match.indices[4 * PS :]), window_host)
@@ -167,6 +169,7 @@ def test_a_hit_without_a_host_checkpoint_stops_where_one_is():
     shorter = system(5 * PS) + [9] * 5  # the host holds its 5 pages but no window at 20
     assert host_swa_pages(tier, shorter) == []
     match, left = tier.match_prefix(shorter, 5 * PS, lambda: 100, partial=False)
+    tier.wait_loads()
     assert len(match.indices) == 0 and left == 0
     dev.check(tier)
 
@@ -182,6 +185,7 @@ def test_the_window_straddles_device_and_host_pages():
     assert len(device_head) == 5 * PS
     swa_before = dev.swa(device_head[4 * PS :]).clone()
     match, left = tier.match_prefix(ids, 7 * PS, lambda: 100, partial=False)
+    tier.wait_loads()
     assert left == 0 and len(match.indices) == 7 * PS
     assert torch.equal(match.indices[: 5 * PS], device_head)  # kept, not reloaded
     assert torch.equal(dev.kv.buffer.index_select(2, match.indices[5 * PS :]), full[:, :, 20:])
@@ -203,6 +207,7 @@ def test_loaded_pages_revive_device_tombstones_inside_the_window():
     assert len(dev.tree.match_prefix(ids[: 6 * PS]).indices) == 0
     held = dev.tree.total_size()
     match, _ = tier.match_prefix(ids, 6 * PS, lambda: 100, partial=False)
+    tier.wait_loads()
     assert len(match.indices) == 6 * PS and dev.tree.total_size() == held
     assert dev.tree.swa_total_size() == 2 * PS  # the window's pages hold SWA KV again
     dev.check(tier)
@@ -218,5 +223,6 @@ def test_loads_respect_the_budget(budget, partial, loaded):
     ids = system(6 * PS) + [7]
     only_on_the_host(dev, tier, ids)
     match, left = tier.match_prefix(ids, 6 * PS, lambda: budget, partial=partial)
+    tier.wait_loads()
     assert len(match.indices) == loaded * PS and left == (6 if loaded == 0 else 0)
     dev.check(tier)

@@ -100,6 +100,7 @@ def test_host_pages_load_into_the_device_and_join_the_tree():
     dev.tree.flush()
     dev.kv.buffer.zero_()
     match, left = tier.match_prefix(ids, 5 * PS, lambda: 100, partial=False)
+    tier.wait_loads()
     assert left == 0 and len(match.indices) == 5 * PS
     assert torch.equal(dev.kv.gather(match.indices), expect)
     assert tier.metrics.host_loaded_tokens == 5 * PS
@@ -119,8 +120,10 @@ def test_loads_respect_the_budget_and_keep_the_device_match():
     device_prefix = dev.tree.match_prefix(ids).indices.clone()
     assert len(device_prefix) == 2 * PS
     match, left = tier.match_prefix(ids, 4 * PS, lambda: 1, partial=False)
+    tier.wait_loads()
     assert left == 2 and torch.equal(match.indices, device_prefix)  # not all fit: none loaded
     match, left = tier.match_prefix(ids, 4 * PS, lambda: 2, partial=False)
+    tier.wait_loads()
     assert left == 0 and len(match.indices) == 4 * PS
     assert torch.equal(match.indices[: 2 * PS], device_prefix)  # LRU, but locked while loading
     assert len(dev.tree.match_prefix([900] * 4 * PS).indices) == 0
@@ -133,6 +136,7 @@ def test_partial_load_takes_what_the_budget_allows():
     ids = list(range(1, 4 * PS + 2))
     only_on_the_host(dev, tier, ids)
     match, left = tier.match_prefix(ids, 4 * PS, lambda: 1, partial=True)
+    tier.wait_loads()
     assert len(match.indices) == PS and left == 3
 
 

@@ -2,9 +2,10 @@
 
 Pages are written asynchronously: `reserve` takes host pages for the pages of a prompt the
 store lacks (evicting least recently used ones if needed) and indexes them as writes in
-flight; `write` gathers their device KV into write-back buffers and hands them to a copy
-thread; `retire`, on the scheduler thread, marks finished copies ready. Only ready pages
-are matched, loaded or evicted.
+flight; `write` hands the copy of their device KV to the copy thread (`HostCopier`), which
+gathers and scatters it; `retire`, on the scheduler thread, marks finished copies ready.
+Only ready pages are matched, loaded or evicted. `load` is a copy on the same thread: the
+caller waits for it before anything reads the device pages it fills.
 
     state of a host page   free --reserve--> in flight --retire--> ready --evict--> free
 
@@ -17,14 +18,15 @@ and retired the same way; an entry leaves (and frees both pages) only once both 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from mpprefill.memory.allocator import PagedTokenAllocator
+from mpprefill.memory.host.copier import HostCopier, SlotCopy
 from mpprefill.memory.host.index import HostPage, HostPageIndex
 from mpprefill.memory.host.writeback import WritebackBuffers
 from mpprefill.memory.kv_cache import KVCache
@@ -48,7 +50,6 @@ class _Write(NamedTuple):
     future: Future
     entries: list[HostPage]
     swa_entries: list[HostPage]
-    buffers: list[tuple[WritebackBuffers, Tensor]]  # reused once it retires
 
 
 def _pool_dims(pool: Tensor) -> tuple[int, int, int]:
@@ -89,7 +90,7 @@ class HostKVStore:
             self.swa_kv = _host_pool(like.swa_buffer, num_pages * page_size)
             self.swa_pages = PagedTokenAllocator(num_pages, page_size)
             self.swa_buffers = WritebackBuffers(*_pool_dims(like.swa_buffer), like.dtype)
-        self.copier = ThreadPoolExecutor(1, thread_name_prefix="host-kv-copy")
+        self.copier = HostCopier(like.device)
         self._writes: deque[_Write] = deque()
 
     @property
@@ -168,32 +169,20 @@ class HostKVStore:
         entries: list[HostPage],
         swa: PoolWrite | None = None,
         swa_entries: list[HostPage] = (),
-    ) -> None:
-        """Gather the device slots' KV into write-back buffers (now) and copy them into the
-        host slots with one copy per pool (on the copy thread). The device slots may be
-        reused once this returns."""
+    ) -> Future | None:
+        """Copy the device slots' KV into the host slots, one gather and one scatter per
+        pool, on the copy thread. The device slots must stay unchanged until the returned
+        future is done (the caller holds them); None when there is nothing to write."""
         if not entries and not swa_entries:
-            return
-        parts = [(self.buffers, device_kv.buffer, full, self.kv.buffer)]
+            return None
+        copies = [SlotCopy(device_kv.buffer, full.device_slots, self.kv.buffer, full.host_slots,
+                           self.buffers)]  # fmt: skip
         if swa is not None and len(swa.device_slots):
-            parts.append((self.swa_buffers, device_kv.swa_buffer, swa, self.swa_kv.buffer))
-        gathered, taken = [], []
-        for buffers, pool, plan, host in parts:
-            n = len(plan.device_slots)
-            buf = buffers.take(n, pool.device)
-            out = buffers.view(buf, n)
-            torch.index_select(pool, 2, plan.device_slots.to(pool.device), out=out)
-            gathered.append((out, host, plan.host_slots))
-            taken.append((buffers, buf))
-        if device_kv.device.type == "cuda":
-            torch.cuda.current_stream(device_kv.device).synchronize()
-        future = self.copier.submit(self._copy, gathered)
-        self._writes.append(_Write(future, list(entries), list(swa_entries), taken))
-
-    @staticmethod
-    def _copy(gathered: list[tuple[Tensor, Tensor, Tensor]]) -> None:
-        for out, host, host_slots in gathered:
-            host.index_copy_(2, host_slots, out.to("cpu"))
+            copies.append(SlotCopy(device_kv.swa_buffer, swa.device_slots, self.swa_kv.buffer,
+                                   swa.host_slots, self.swa_buffers))  # fmt: skip
+        future = self.copier.submit(copies)
+        self._writes.append(_Write(future, list(entries), list(swa_entries)))
+        return future
 
     def retire(self, wait: bool = False) -> int:
         """Mark finished copies ready, oldest first; with wait, all of them. Tokens retired
@@ -202,8 +191,6 @@ class HostKVStore:
         while self._writes and (wait or self._writes[0].future.done()):
             write = self._writes.popleft()
             write.future.result()  # a failed copy is a bug: raise it on the scheduler thread
-            for buffers, buf in write.buffers:
-                buffers.give(buf)
             for entry in write.entries:
                 self.index.set_ready(entry)
             for entry in write.swa_entries:
@@ -218,22 +205,30 @@ class HostKVStore:
         device_slots: Tensor,
         swa_entries: list[HostPage] = (),
         swa_device_slots: Tensor | None = None,
-    ) -> None:
+        before: Callable[[], None] | None = None,
+    ) -> Future:
         """Copy ready pages into device slots (and the SWA KV of swa_entries into device SWA
-        slots); complete when this returns."""
-        dev = device_kv.device
+        slots) on the copy thread, after `before` (the KV write fence). Nothing may read
+        those device slots before the returned future is done.
+
+        NOTE: the host pages are read in the copy thread's order: a later write-back that
+        reuses one (after an eviction) writes it only after this load read it.
+        """
+        copies = []
         if len(entries):
-            pages = self.kv.gather(self.slots_of(entries)).to(dev)
-            device_kv.buffer.index_copy_(2, device_slots.to(dev), pages)
+            copies.append(SlotCopy(self.kv.buffer, self.slots_of(entries), device_kv.buffer,
+                                   device_slots, self.buffers))  # fmt: skip
         if len(swa_entries):
-            pages = self.swa_kv.gather(self.swa_slots_of(swa_entries)).to(dev)
-            device_kv.swa_buffer.index_copy_(2, swa_device_slots.to(dev), pages)
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
+            copies.append(SlotCopy(self.swa_kv.buffer, self.swa_slots_of(swa_entries),
+                                   device_kv.swa_buffer, swa_device_slots,
+                                   self.swa_buffers))  # fmt: skip
+        return self.copier.submit(copies, before)
 
     def close(self) -> None:
-        self.retire(wait=True)
-        self.copier.shutdown(wait=True)
+        try:
+            self.retire(wait=True)
+        finally:
+            self.copier.close()
 
     def check(self) -> None:
         """free + held == capacity in each pool, no host page twice, in-flight writes are
