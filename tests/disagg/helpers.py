@@ -34,7 +34,7 @@ class DecodeProc:
     ):
         self.port = port or free_port()
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        cmd = [sys.executable, "-m", "mpprefill.disagg.decode", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "mpprefill.disagg.decode", "--receiver-port", str(self.port)]
         cmd += ["--page-size", str(PAGE), "--max-total-tokens", str(max_total_tokens)]
         cmd += ["--disaggregation-transfer-backend", backend, "--log-level", "warning", *flags]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
