@@ -135,8 +135,10 @@ class Generator:
         return None
 
     def step(self) -> list[Output]:
-        """One decode forward for every running sequence; one Output per sequence that
-        produced a token or finished (an abort for want of a KV page produces none)."""
+        """One decode forward for every running sequence (waiting ones join first, finished
+        ones have left); one Output per sequence that produced a token or finished. A
+        sequence with no free page for its next token finishes with an "abort" Output and
+        no token."""
         self._admit()
         outputs = []
         batch = []
