@@ -267,8 +267,8 @@ def test_stop_token_ids_end_with_the_token(model, full_run):
     completion, reason = _one(model, max_new_tokens=12, stop_token_ids=[token])
     assert completion == expected and completion[-1] == token
     assert reason == {"type": "stop", "matched": token}
-    again, reason = _one(model, max_new_tokens=12, stop_token_ids=[token], ignore_eos=True)
-    assert (again, reason) == (expected, {"type": "stop", "matched": token})
+    ignored, reason = _one(model, max_new_tokens=12, stop_token_ids=[token], ignore_eos=True)
+    assert (ignored, reason) == (full_run[:12], {"type": "length", "length": 12})
 
 
 def test_eos_stops_unless_ignore_eos(model, full_run):
@@ -299,7 +299,7 @@ def test_first_token_can_finish_at_once(model, full_run):
         (SamplingParams(max_new_tokens=1), {"type": "length", "length": 1}),
         (SamplingParams(max_new_tokens=5), {"type": "stop", "matched": full_run[0]}),
         (
-            SamplingParams(max_new_tokens=5, ignore_eos=True, stop_token_ids=[full_run[0]]),
+            SamplingParams(max_new_tokens=5, stop_token_ids=[full_run[0]]),
             {"type": "stop", "matched": full_run[0]},
         ),
     ]
@@ -312,7 +312,7 @@ def test_first_token_can_finish_at_once(model, full_run):
         assert torch.equal(kv.storage, snapshot)
         assert allocator.num_free_pages == free_before
     pages, first = prefill(model, kv, allocator, ids)
-    ignored = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    ignored = SamplingParams(max_new_tokens=2, ignore_eos=True, stop_token_ids=[full_run[0]])
     assert gen.add("x", ids, pages, first, ignored) is None and gen.num_running == 1
     [out] = gen.step()
     assert out == Output("x", [full_run[1]], True, {"type": "length", "length": 2})

@@ -221,12 +221,13 @@ class Generator:
     # ---- sequences -----------------------------------------------------------------------
 
     def _finish_reason(self, seq: _Seq) -> dict | None:
-        """SGLang's order: the length limit first, then a stop token (part of the output)."""
+        """SGLang's order: the length limit first, then a stop token (part of the output);
+        `ignore_eos` turns off the stop tokens and EOS alike, as it does in SGLang."""
         p = seq.params
         if len(seq.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
         last = seq.output_ids[-1]
-        if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos_token_ids):
+        if not p.ignore_eos and (last in p.stop_token_ids or last in self.eos_token_ids):
             return {"type": "stop", "matched": last}
         return None
 
