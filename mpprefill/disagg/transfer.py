@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from mpprefill.disagg import wire
-from mpprefill.disagg.bootstrap import BootstrapEndpoint
+from mpprefill.disagg.bootstrap import DEFAULT_MAX_WAITING, BootstrapEndpoint
 from mpprefill.disagg.planes import pool_planes
 from mpprefill.disagg.sender import KVPoll, TransferDied
 from mpprefill.disagg.transfer_sender import (
@@ -87,6 +87,7 @@ class TransferBackend:
         transfer_timeout: float = math.inf,
         bootstrap_host: str = "127.0.0.1",
         bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
+        max_waiting_registrations: int = DEFAULT_MAX_WAITING,
     ) -> None:
         """`bootstrap_timeout`: how long each sender waits for the decode side's answer to
         its bootstrap and to its final send (TransferSender.poll); `transfer_timeout`: how
@@ -96,7 +97,9 @@ class TransferBackend:
         the scheduler thread; `wait(gen)` blocks the transfer thread until it completed, so
         no page is read while a forward still writes it (window pages: see
         TransferSender._window). Without `decode_address`, the bootstrap endpoint binds
-        `bootstrap_host:bootstrap_port` (0: any free port; `.bootstrap_port` says which)."""
+        `bootstrap_host:bootstrap_port` (0: any free port; `.bootstrap_port` says which);
+        registrations whose request has not come yet wait at most `bootstrap_timeout`, at
+        most `max_waiting_registrations` of them."""
         if page_size < 1 or kv.num_slots < page_size:
             raise ValueError(f"bad page size {page_size} for a pool of {kv.num_slots} slots")
         self.kv = kv
@@ -124,7 +127,11 @@ class TransferBackend:
         if self.decode_address is None:
             try:
                 self.endpoint = BootstrapEndpoint(
-                    self._ctx, bootstrap_host, bootstrap_port, bootstrap_timeout
+                    self._ctx,
+                    bootstrap_host,
+                    bootstrap_port,
+                    bootstrap_timeout,
+                    max_waiting_registrations,
                 )
             except zmq.ZMQError:
                 self._ctx.term()

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture
 def receiver():
-    rx = DecodeReceiver(DecodeArgs(receiver_port=0, max_total_tokens=2 * PAGE, register_timeout=0.5))
+    rx = DecodeReceiver(
+        DecodeArgs(receiver_port=0, max_total_tokens=2 * PAGE, register_timeout=0.5)
+    )
     segment = rx.pool.shared.handle.name
     with serving(rx):
         yield rx

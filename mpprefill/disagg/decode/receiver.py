@@ -79,9 +79,7 @@ def pool_model_config(args: DecodeArgs) -> ModelConfig:
 
 
 class DecodeReceiver:
-    def __init__(
-        self, args: DecodeArgs, delay: TransferDelay | None = None, model=None
-    ) -> None:
+    def __init__(self, args: DecodeArgs, delay: TransferDelay | None = None, model=None) -> None:
         """`delay` (test only): hold finished rooms' answers a while (decode/delay.py);
         `model`: the decode server's, which --verify then shares."""
         self.args = args
@@ -93,7 +91,8 @@ class DecodeReceiver:
         self.layout = wire.PoolLayout(
             dtype_name, layers, num_pages * args.page_size, heads, dim, args.page_size
         )
-        self.verifier = KVVerifier(args, model) if args.verify else None  # first: bad flags leak no pool
+        # first: bad flags leak no pool
+        self.verifier = KVVerifier(args, model) if args.verify else None
         backend = args.disaggregation_transfer_backend
         self.pool = make_decode_pool(backend, self.layout, config.torch_dtype, args.host)
         self._pool_desc = self.pool.describe()

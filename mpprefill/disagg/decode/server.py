@@ -38,6 +38,7 @@ from mpprefill.disagg import wire
 from mpprefill.disagg.decode.args import DecodeArgs
 from mpprefill.disagg.decode.bootstrap import PrefillLinks
 from mpprefill.disagg.decode.front import _WILDCARDS, spawn_front, stop_front
+from mpprefill.disagg.decode.generate import Generator
 from mpprefill.disagg.decode.receiver import DecodeReceiver, Room
 from mpprefill.model import load_model
 from mpprefill.server import protocol
@@ -84,8 +85,6 @@ class DecodeServer:
         self.rx = DecodeReceiver(args, delay=args.transfer_delay, model=self.model)
         self.generator = None
         if self.model is not None:
-            from mpprefill.disagg.decode.generate import Generator
-
             self.generator = Generator(
                 self.model,
                 self.rx.pool.kv,
@@ -123,7 +122,10 @@ class DecodeServer:
     def _load_model(self):
         a = self.args
         return load_model(
-            a.model_path, seed=a.random_seed, sliding_window=a.sliding_window, swa_layers=a.swa_layers
+            a.model_path,
+            seed=a.random_seed,
+            sliding_window=a.sliding_window,
+            swa_layers=a.swa_layers,
         )
 
     @staticmethod
