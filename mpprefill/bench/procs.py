@@ -80,6 +80,7 @@ def start_server(flags: list[str], log_dir: str, timeout: float = 120.0) -> Chil
 
 def start_decode(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
     """A decode receiver without its HTTP front; `Child.port` is its receiver socket."""
+    flags = ["--zmq-port", "0", *flags]  # its request socket, unused here: any free port
     return _start("decode", flags, log_dir, timeout, _ping, "--receiver-port")
 
 

@@ -28,6 +28,7 @@ def restart_decode(port: int, flags: list[str], log_dir: str, timeout: float = 1
     (`procs.start_decode` always takes a fresh port)."""
     log_path = os.path.join(log_dir, f"decode-{port}-{int(time.time() * 1000)}.log")
     cmd = [sys.executable, "-m", "mpprefill", "decode", *flags, "--receiver-port", str(port)]
+    cmd += ["--zmq-port", "0"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     child = Child("decode", proc, port, log_path)
