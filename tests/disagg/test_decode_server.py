@@ -5,17 +5,19 @@ their rooms at the prefill's bootstrap endpoint, receive the KV and generate."""
 from __future__ import annotations
 
 import json
+import signal
+import time
 
 import pytest
 import zmq
 
-from mpprefill.bench.procs import free_port
+from mpprefill.bench.procs import children, free_port
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, load_model
 from mpprefill.server import protocol
 from mpprefill.server.client import Client
 from tests.disagg.helpers import PAGE, DecodeProc
-from tests.reliability.helpers import Serve
+from tests.reliability.helpers import Serve, pid_gone
 
 pytestmark = pytest.mark.timeout(240)
 HOST = "127.0.0.1"
@@ -217,3 +219,64 @@ def test_hostile_registrations_are_refused_and_the_prefill_keeps_serving(cluster
     assert cluster.p.recv(120)["status"] == "done"
     done = cluster.d[0].recv(120)
     assert done["output_ids"] == reference(model, prompt(5), 5)
+
+
+def test_the_http_front_generates_and_dies_with_its_decode(model):
+    """`mpprefill decode --port P`: the front is a child of the decode, answers /health and
+    /generate, and the kernel ends it when the decode is killed at once."""
+    pytest.importorskip("fastapi")
+    from tests.http.helpers import Front
+
+    bootstrap_port = free_port()
+    prefill = Serve.start(
+        *("--disaggregation-transfer-backend", "shm", "--forward-mode", "normal"),
+        *("--disaggregation-bootstrap-port", str(bootstrap_port), "--page-size", str(PAGE)),
+        *("--worker-threads", "1", "--log-level", "warning"),
+    )
+    decode = DecodeProc(http_port=free_port()).wait_ready(60)
+    front = Front.__new__(Front)  # the decode's own front, not one this test starts
+    front.port = decode.http_port
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    client = prefill.client()
+    try:
+        front_pid = _wait_healthy(front, decode)
+        # what the decode does for a request that names this prefill, by hand: the front
+        # sends bootstrap_room only
+        sock.connect(f"tcp://{HOST}:{bootstrap_port}")
+        register = {"type": "register_room", "room": 600, "address": f"{HOST}:{decode.port}"}
+        sock.send(json.dumps(register).encode())
+        assert sock.poll(30_000) and json.loads(sock.recv())["ok"] is True
+        client.send_raw(protocol.generate_frame("h", prompt(6), {"temperature": 0.0}, 600))
+        body = {
+            "input_ids": prompt(6),
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6},
+            "bootstrap_room": 600,
+        }
+        status, reply = front.post("/generate", body, timeout=120)
+        assert status == 200, reply
+        # NOTE: a front that reads only a done reply's first_token (not its output_ids)
+        # shows the first of the six tokens
+        out = reply["output_ids"]
+        assert len(out) in (1, 6) and out == reference(model, prompt(6), 6)[: len(out)]
+        assert client.recv(60)["status"] == "done"
+        decode.stop(signal.SIGKILL)
+        assert pid_gone(front_pid, timeout=15), "the front outlived its decode"
+    finally:
+        sock.close()
+        client.close()
+        decode.close()
+        prefill.kill()
+
+
+def _wait_healthy(front, decode: DecodeProc, timeout: float = 90.0) -> int:
+    """The front's pid once its /health answers 200 (the decode answered its stats)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if front.request("GET", "/health", timeout=5)[0] == 200:
+                (pid,) = children(decode.proc.pid)
+                return pid
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"the decode's front is not healthy:\n{decode.output()}")
