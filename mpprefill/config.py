@@ -110,6 +110,11 @@ class ServerArgs:
         "free a running request's sliding-window KV once it leaves the window, instead of"
         " keeping it (evicted first) for prefix hits",
     )
+    disaggregation_bootstrap_port: int = _f(
+        8998,
+        "port of the bootstrap endpoint where decode servers register their rooms (shm and"
+        " mooncake without --decode-address; 0: any free port)",
+    )
 
     def __post_init__(self):
         if not self.forward_timeout > 0:

@@ -2,7 +2,8 @@
 
 A seeded row draws its uniform from a counter-based hash of (seed, step), then inverts the
 CDF of its filtered distribution, so its token depends only on its own logits, seed and
-step, never on the rest of the batch.
+step, never on the rest of the batch. `step` is one int for the whole batch, or one per row
+(a decode batch mixes requests at different completion tokens).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ _STEP_KEY = 0x9E3779B9
 def sample(
     logits: torch.Tensor,
     info: SamplingBatchInfo,
-    step: int = 0,
+    step: int | torch.Tensor = 0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """[B, V] float32 logits -> [B] int64 token ids. Unseeded rows draw from `generator`."""
+    """[B, V] float32 logits -> [B] int64 token ids. Unseeded rows draw from `generator`.
+    `step`: an int, or [B] int64 (each row's own step)."""
     greedy_ids = torch.argmax(logits, dim=-1)
     if info.all_greedy:
         return greedy_ids
@@ -63,21 +65,22 @@ def _invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 def _uniforms(
-    info: SamplingBatchInfo, step: int, generator: torch.Generator | None
+    info: SamplingBatchInfo, step: int | torch.Tensor, generator: torch.Generator | None
 ) -> torch.Tensor:
     device = info.seeds.device
     free = torch.rand(info.batch_size, generator=generator, device=device)
     return torch.where(info.has_seed, seeded_uniforms(info.seeds, step), free)
 
 
-def seeded_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
-    """[B] float32 in [0, 1), a pure function of each (seed, step)."""
+def seeded_uniforms(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """[B] float32 in [0, 1), a pure function of each (seed, step); `step` an int or [B]."""
+    steps = torch.as_tensor(step, dtype=torch.int64, device=seeds.device).expand_as(seeds)
     lo = seeds & _MASK32
     hi = (seeds >> 32) & _MASK32
-    h = _mix32(torch.full_like(seeds, ((step & _MASK32) ^ _STEP_KEY) & _MASK32))
+    h = _mix32(((steps & _MASK32) ^ _STEP_KEY) & _MASK32)
     h = _mix32(h ^ lo)
     h = _mix32(h ^ hi)
-    h = _mix32(h ^ ((step >> 32) & _MASK32))
+    h = _mix32(h ^ ((steps >> 32) & _MASK32))
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 

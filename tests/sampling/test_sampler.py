@@ -156,3 +156,15 @@ def test_draw_is_always_allowed(
     allowed = reference(logits, p, slack=1e-4)
     out = _sample([logits] * 4, [p] * 4, step=seed % 7)
     assert out[0] in allowed and len(set(out)) == 1
+
+
+def test_per_row_steps_equal_one_step_per_row() -> None:
+    """A [B] step tensor draws each row as a batch run at that row's step alone would."""
+    params = _seeded(30, temperature=1.0) + [SamplingParams(seed=2**63 - 1, temperature=1.0)]
+    steps = [(i * 7 + 1) * 3**i % 2**45 for i in range(len(params))]
+    info = SamplingBatchInfo.from_params(params, len(LOGITS))
+    logits = torch.tensor([LOGITS] * len(params), dtype=torch.float32)
+    got = sample(logits, info, torch.tensor(steps)).tolist()
+    one_by_one = [_sample([LOGITS], [p], step=s)[0] for p, s in zip(params, steps, strict=True)]
+    assert got == one_by_one
+    assert got != sample(logits, info, 0).tolist()  # the steps matter
