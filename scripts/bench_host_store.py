@@ -1,8 +1,13 @@
-"""Host KV store and batched staging, side by side: the bench's workload with a device cache
-too small for its working set, run without a host store, with one (batched staging) and with
-one staging each request apart; configurations interleaved, medians of --repeats.
+"""Host KV store and batched staging, side by side, on a dense and a sliding-window model.
+
+End to end: the bench's workload with a device cache too small for its working set, run
+without a host store, with one (batched staging) and with one staging each request apart;
+configurations interleaved, medians of --repeats. Then the staging itself: for N finishing
+requests per batch, the write-back of their pages (and SWA checkpoints) as one batched copy
+or N copies, in ms per batch on the scheduler thread (planning) and on the copy thread.
 
     python scripts/bench_host_store.py --repeats 3 [--json out.json]
+    python scripts/bench_host_store.py --smoke      # a tiny run: does it work at all
 """
 
 from __future__ import annotations
@@ -11,21 +16,43 @@ import argparse
 import json
 import statistics
 import sys
+import time
+
+import torch
 
 from mpprefill.bench.runner import BenchConfig, run_mode
 from mpprefill.bench.workload import solve_for_hit_rate
 from mpprefill.config import ServerArgs
+from mpprefill.memory.host.store import HostKVStore
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.memory.req_to_token import ReqToTokenPool
+from mpprefill.model.loader import config_from_args
+from mpprefill.scheduling.host_tier import HostTier
+from mpprefill.scheduling.kv_pools import make_kv_pools
+from mpprefill.scheduling.req import Req
 
 CONFIGS = {
     "no host store": dict(host_store_size=0),
-    "host store, batched write-back": dict(disable_batched_writeback=False),
-    "host store, per-request write-back": dict(disable_batched_writeback=True),
+    "host store, batched staging": dict(disable_batched_writeback=False),
+    "host store, per-request staging": dict(disable_batched_writeback=True),
 }
+SMOKE = dict(
+    num_requests=16,
+    prompt_len=128,
+    max_total_tokens=1024,
+    host_store_size=8192,
+    repeats=1,
+    staging_reqs="1,2",
+    staging_batches=2,
+)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="proc-ahead")
+    ap.add_argument("--models", default="dense,swa", help="dense and/or swa, comma separated")
+    ap.add_argument("--sliding-window", type=int, default=256, help="the SWA model's window")
+    ap.add_argument("--swa-layers", default="sf", help="the SWA model's sliding layers")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--hit-rate", type=float, default=0.8)
@@ -33,15 +60,50 @@ def main() -> None:
     ap.add_argument("--host-store-size", type=int, default=262144)
     ap.add_argument("--worker-threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--staging-reqs", default="1,2,4,8", help="finishing requests per batch")
+    ap.add_argument("--staging-batches", type=int, default=20, help="batches timed per point")
+    ap.add_argument("--skip-e2e", action="store_true", help="the staging table only")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    base = ServerArgs(
+    if args.smoke:
+        for name, value in SMOKE.items():
+            setattr(args, name, value)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    out: dict = {"args": vars(args), "models": {}}
+    for model in args.models.split(","):
+        base = server_args(args, model)
+        result = {"staging": staging_table(args, base)}
+        if not args.skip_e2e:
+            result["e2e"] = end_to_end(args, base, model)
+        out["models"][model] = result
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def server_args(args: argparse.Namespace, model: str) -> ServerArgs:
+    if model not in ("dense", "swa"):
+        sys.exit(f"--models: dense or swa, got {model!r}")
+    swa = dict(sliding_window=args.sliding_window, swa_layers=args.swa_layers)
+    return ServerArgs(
         max_total_tokens=args.max_total_tokens,
         host_store_size=args.host_store_size,
         disaggregation_transfer_backend="shm",
         worker_threads=args.worker_threads,
+        **(swa if model == "swa" else {}),
     )
+
+
+# ---- end to end ----------------------------------------------------------------------------
+
+
+def end_to_end(args: argparse.Namespace, base: ServerArgs, model: str) -> dict:
     work = solve_for_hit_rate(
         args.hit_rate, args.num_requests, args.prompt_len, base.page_size, seed=args.seed
     )
@@ -53,14 +115,15 @@ def main() -> None:
             if not run["leaks"]["ok"] or run["num_failed"]:
                 sys.exit(f"{name}: run {i} failed or leaked: {run['leaks']} {run['errors']}")
             trials[name].append(run)
-            print(f"[{i + 1}/{args.repeats}] {name}: {summary(run)}", file=sys.stderr)
+            print(f"[{model} {i + 1}/{args.repeats}] {name}: {summary(run)}", file=sys.stderr)
     rows = {name: medians(runs) for name, runs in trials.items()}
-    print(f"{'configuration':34s} {'uncached ITPS':>13s} {'hit rate':>8s} {'P ms/batch':>10s}")
+    print(f"\n{model} model, {args.mode}, end to end (medians of {args.repeats})")
+    head = f"{'configuration':34s} {'uncached ITPS':>13s} {'total ITPS':>11s}"
+    print(f"{head} {'hit rate':>8s} {'P ms/batch':>10s}")
     for name, r in rows.items():
-        print(f"{name:34s} {r['uncached_itps']:13,.0f} {r['hit_rate']:8.2f} {r['p_ms']:10.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "medians": rows, "trials": trials}, f, indent=1)
+        line = f"{name:34s} {r['uncached_itps']:13,.0f} {r['total_itps']:11,.0f}"
+        print(f"{line} {r['hit_rate']:8.2f} {r['p_ms']:10.2f}")
+    return {"medians": rows, "trials": trials}
 
 
 def summary(run: dict) -> str:
@@ -79,6 +142,73 @@ def medians(runs: list[dict]) -> dict:
         "p_ms": med([r["phase_ms_per_batch"]["P"] for r in runs]),
         "duration_s": med([r["duration_s"] for r in runs]),
     }
+
+
+# ---- staging alone ----------------------------------------------------------------------
+
+
+def staging_table(args: argparse.Namespace, base: ServerArgs) -> list[dict]:
+    """Batched vs per-request staging of N finishing requests' pages, ms per batch."""
+    counts = [int(x) for x in args.staging_reqs.split(",")]
+    rows = []
+    for n in counts:
+        row = {"finishing_reqs": n}
+        for batched in (True, False):
+            plan, copy = time_staging(args, base, n, batched)
+            key = "batched" if batched else "per_request"
+            row[key] = {"plan_ms": plan, "copy_ms": copy}
+        rows.append(row)
+    kind = "SWA" if base.sliding_window else "dense"
+    print(f"\n{kind} model: staging of finishing requests' write-back, ms per batch (medians)")
+    head = f"{'finishing reqs':>14s} {'batched plan':>12s} {'batched copy':>12s}"
+    print(f"{head} {'per-req plan':>12s} {'per-req copy':>12s}")
+    for r in rows:
+        b, s = r["batched"], r["per_request"]
+        line = f"{r['finishing_reqs']:14d} {b['plan_ms']:12.3f} {b['copy_ms']:12.3f}"
+        print(f"{line} {s['plan_ms']:12.3f} {s['copy_ms']:12.3f}")
+    return rows
+
+
+def time_staging(
+    args: argparse.Namespace, base: ServerArgs, num_reqs: int, batched: bool
+) -> tuple[float, float]:
+    """(scheduler-thread ms, copy-thread ms) per batch of num_reqs fresh prompts, each
+    wholly computed, cached as result processing caches it and written back."""
+    config = config_from_args(base)
+    pool = ReqToTokenPool(num_reqs + 1, args.prompt_len + 1)
+    allocator, tree = make_kv_pools(base, config, pool)
+    kv = KVCache.for_model(config, allocator.size, num_swa_slots=allocator.swa_size or None)
+    kv.storage.normal_()
+    store = HostKVStore(args.host_store_size, base.page_size, kv)
+    tier = HostTier(store, tree, allocator, kv, batched)
+    gen = torch.Generator().manual_seed(args.seed)
+    plan_ms, copy_ms = [], []
+    for _ in range(args.staging_batches):
+        reqs = [finished_req(pool, allocator, tree, args.prompt_len, gen) for _ in range(num_reqs)]
+        t0 = time.perf_counter()
+        tier.write_back(reqs)
+        plan_ms.append((time.perf_counter() - t0) * 1e3)
+        tier.retire(wait=True)
+        copies = list(tier.staging_log)[-(1 if batched else num_reqs) :]
+        copy_ms.append(sum(s for _, s in copies) * 1e3)
+        for req in reqs:
+            tree.cache_finished_req(req)
+            pool.free(req.req_pool_idx)
+        tree.evict(allocator.size)
+    tier.close()
+    return statistics.median(plan_ms), statistics.median(copy_ms)
+
+
+def finished_req(pool, allocator, tree, prompt_len: int, gen: torch.Generator) -> Req:
+    """A fresh prompt whose only chunk ran: its KV slots cached, the tree lock held."""
+    ids = torch.randint(0, 32000, (prompt_len,), generator=gen).tolist()
+    req = Req(f"s{len(ids)}-{ids[0]}", ids)
+    req.last_node, req.prefix_indices = tree.root, torch.empty(0, dtype=torch.int64)
+    req.req_pool_idx = pool.alloc()
+    pool.write(req.req_pool_idx, 0, allocator.alloc_extend([0], [prompt_len], [-1]))
+    req.fill_ids = ids
+    tree.cache_unfinished_req(req)
+    return req
 
 
 if __name__ == "__main__":

@@ -63,12 +63,14 @@ def flat_index(planes: torch.Tensor, pages: torch.Tensor, num_pages: int) -> tor
 
 
 def window_first_page(prompt_len: int, window: int, page_size: int) -> int:
-    """The first page (prompt order) of the last window [max(0, L - W), L) of a prompt.
+    """The first page (prompt order) of the last window [max(0, L - W + 1), L) of a prompt.
 
-    NOTE: the decode's next query, at position L, sees keys L - W < j <= L; the window
-    sent is one position wider, as whole pages, from this page to the prompt's last.
+    NOTE: the decode's next query, at position L, sees keys L - W < j <= L, of which L is
+    its own; the window sent is the rest, as whole pages, from this page to the prompt's
+    last (none when W = 1).
     """
-    return max(0, prompt_len - window) // page_size
+    first = max(0, prompt_len - window + 1)
+    return first // page_size if first < prompt_len else -(-prompt_len // page_size)
 
 
 def window_swa_pages(allocator, row: torch.Tensor, prompt_len: int, window: int) -> torch.Tensor:

@@ -43,6 +43,16 @@ class MatchResult(NamedTuple):
     last_node: TreeNode
 
 
+class Adopted(NamedTuple):
+    """Pages of a prefix whose KV a loader must write, after `insert_loaded`: prompt page
+    numbers and the device slots now behind them (whole pages), per pool."""
+
+    full_pages: Tensor
+    full_slots: Tensor
+    swa_pages: Tensor
+    swa_slots: Tensor  # slots of the SWA pool
+
+
 class CacheableReq(Protocol):
     """A request as the cache sees it: req_to_token[req_pool_idx, :len(fill_ids)] holds its
     KV slots, of which the first cache_protected_len are the tree's, locked via last_node."""
@@ -137,6 +147,36 @@ class RadixCache:
             child.last_access = now
             node, key, value, present = child, key[m:], value[m:], present + m
         return present
+
+    def path_slots(self, token_ids: Sequence[int]) -> Tensor:
+        """Slots of the longest prefix of token_ids the tree holds, whole pages, whatever
+        the sliding-window layers hold (RadixCache's own match)."""
+        return RadixCache.match_prefix(self, token_ids).indices
+
+    def node_at(self, token_ids: Sequence[int]) -> TreeNode:
+        """The node where the tree's path of token_ids ends (split there), whatever the
+        sliding-window layers hold; no access is recorded beyond RadixCache's match."""
+        return RadixCache.match_prefix(self, token_ids).last_node
+
+    def insert_loaded(
+        self, token_ids: Sequence[int], slots: Tensor, fresh_from: int, swa_from: int
+    ) -> Adopted:
+        """Cache pages whose KV is being loaded: slots[fresh_from:] are fresh device pages
+        (the caller's), the rest the tree's own. Fresh duplicates of pages the tree holds
+        are freed; what the tree adopts is returned for the loader to fill. (`swa_from`:
+        where SWA KV starts, for SwaRadixCache; nothing here.)"""
+        fresh = slots[fresh_from :: self.page_size] // self.page_size
+        present = self.insert(token_ids, slots)
+        self.allocator.free(slots[fresh_from:present])
+        pages = self.path_slots(token_ids)[:: self.page_size] // self.page_size
+        mine = self._fresh_pages(pages, fresh_from // self.page_size, fresh)
+        return Adopted(mine, self.allocator.slots_of(pages[mine]), _empty(), _empty())
+
+    @staticmethod
+    def _fresh_pages(pages: Tensor, first: int, fresh: Tensor) -> Tensor:
+        """Prompt page numbers, from `first` on, whose page (`pages`: per prompt page) is
+        one of `fresh`."""
+        return torch.isin(pages[first:], fresh).nonzero().flatten() + first
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:

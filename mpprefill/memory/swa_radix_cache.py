@@ -1,18 +1,20 @@
 """SwaRadixCache: a RadixCache whose nodes may drop their sliding-window KV ("tombstones").
 
 Full-attention KV is kept as in RadixCache; the KV of window-W layers (SwaPagedAllocator's
-SWA pool) is needed only for the last W positions before wherever a query starts, so a
-node may lose it on its own and stay in the tree for its full KV.
+SWA pool) is needed only for the W - 1 positions before wherever a query starts (a query
+at m reads keys m - W < j <= m, and m itself is computed), so a node may lose it on its
+own and stay in the tree for its full KV.
 
-    position     0 ...... 8 ...... 16 ..... 24 ..... 32        W = 8, page 4
+    position     0 ...... 8 ...... 16 ..... 24 ..... 32        W = 9, page 4
     node         [ tomb  ][ tomb   ][  SWA  ][  SWA  ]
     match        m = 32: [24, 32) has SWA -> valid; m = 16: [8, 16) tombstoned -> not
     lock at 32   full lock on all four nodes, SWA lock on the node(s) meeting [24, 32)
 
 NOTE: SWA locks are counted per lock depth D (`node.swa_locks[D]`): a lock on the node
-ending at D SWA-locks every path node whose range meets [D - W, D). Positions never move,
-so after a split the upper part keeps the depths that still reach it (D - W < its end)
-and dec_lock_ref walks the same condition: locks stay exactly reversible.
+ending at D SWA-locks every path node whose range meets [D - W + 1, D). Positions never
+move, so after a split the upper part keeps the depths that still reach it
+(D - W + 1 < its end) and dec_lock_ref walks the same condition: locks stay exactly
+reversible. With W = 1 a match needs no SWA KV at all and a lock SWA-locks nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Protocol
 from torch import Tensor
 
 from mpprefill.memory.allocator import cdiv
-from mpprefill.memory.radix_cache import CacheableReq, MatchResult, RadixCache, TreeNode
+from mpprefill.memory.radix_cache import Adopted, CacheableReq, MatchResult, RadixCache, TreeNode
 from mpprefill.memory.req_to_token import ReqToTokenPool
 from mpprefill.memory.swa_allocator import SwaPagedAllocator
 
@@ -76,12 +78,12 @@ class SwaRadixCache(RadixCache):
         return self._swa_evictable + self._swa_protected
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """The longest cached prefix of length m whose window [m - W, m) has SWA KV."""
+        """The longest cached prefix of length m whose window [m - W + 1, m) has SWA KV."""
         full = super().match_prefix(token_ids)
         node = last = full.last_node
         while node is not self.root:
             node.swa_cold = False  # matched: someone else may want it
-            if node.tombstone and node.end > max(0, last.end - self.sliding_window):
+            if node.tombstone and node.end > max(0, self._window_start(last.end)):
                 last = node.parent
             node = node.parent
         return MatchResult(full.indices[: last.end], last)
@@ -166,10 +168,43 @@ class SwaRadixCache(RadixCache):
         elif lo < hi:
             self._leave_window(req.last_node, lo, hi)
 
-    def _leave_window(self, node: SwaTreeNode, lo: int, hi: int) -> None:
+    def insert_loaded(
+        self, token_ids: Sequence[int], slots: Tensor, fresh_from: int, swa_from: int
+    ) -> Adopted:
+        """As RadixCache's, with SWA KV only at [swa_from, len(token_ids)) (a checkpoint):
+        fresh pages below swa_from become tombstones, those past it revive tombstones the
+        tree holds for the same tokens (as a computed request's copies do).
+
+            position   0 ... fresh_from ........ swa_from ......... n
+            slots      [ tree ][ fresh           ][ fresh           ]
+            after      [ tree ][ full KV only    ][ full and SWA KV ]
+        """
+        ps, n = self.page_size, len(token_ids)
+        if swa_from % ps or not fresh_from <= swa_from <= n:
+            raise ValueError(f"insert_loaded: bad SWA start {swa_from} for [{fresh_from}, {n})")
+        fresh = slots[fresh_from::ps] // ps
+        fresh_swa = self.allocator.swa_page_of[fresh].clone()
+        if fresh_from < swa_from < n:
+            RadixCache.match_prefix(self, token_ids[:swa_from])  # no node straddles swa_from
+        row = slots.clone()
+        self._revive_row(row, token_ids, swa_from)
+        present = RadixCache.insert(self, token_ids, row)
+        self.allocator.free(row[fresh_from:present])
+        if present < swa_from:
+            last = RadixCache.match_prefix(self, token_ids).last_node
+            self._leave_window(last, present, swa_from, tombstone=True)
+        pages = self.path_slots(token_ids)[::ps] // ps
+        mine = self._fresh_pages(pages, fresh_from // ps, fresh)
+        swa_pages = self.allocator.swa_page_of[pages]
+        theirs = self._fresh_pages(swa_pages, swa_from // ps, fresh_swa[fresh_swa >= 0])
+        swa_slots = self.allocator.swa.slots_of(swa_pages[theirs])
+        return Adopted(mine, self.allocator.slots_of(pages[mine]), theirs, swa_slots)
+
+    def _leave_window(self, node: SwaTreeNode, lo: int, hi: int, tombstone: bool = False) -> None:
         """Mark positions [lo, hi) on node's path cold (or tombstone them, with
-        free_out_of_window), splitting nodes at lo and hi, except those an SWA lock still
-        needs."""
+        free_out_of_window or `tombstone`), splitting nodes at lo and hi, except those an
+        SWA lock still needs."""
+        tombstone = tombstone or self.free_out_of_window
         while node is not self.root and node.end > lo:
             start, end = node.start, min(node.end, hi)
             if max(start, lo) < end and not node.tombstone and not self._locked_below(node, end):
@@ -177,7 +212,7 @@ class SwaRadixCache(RadixCache):
                     node = self._split(node, end - start)
                 if start < lo:
                     self._split(node, lo - start)
-                if self.free_out_of_window:
+                if tombstone:
                     self._tombstone(node)
                 else:
                     node.swa_cold = True
@@ -191,15 +226,20 @@ class SwaRadixCache(RadixCache):
 
     def _revive(self, req: CacheableReq, token_ids: Sequence[int]) -> None:
         """Give tombstones the request's fresh copies of their pages, before RadixCache frees
-        those as duplicates: else a prefix once tombstoned would be recomputed forever.
+        those as duplicates: else a prefix once tombstoned would be recomputed forever."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        self._revive_row(row, token_ids, req.cache_protected_len)
+
+    def _revive_row(self, row: Tensor, token_ids: Sequence[int], lo: int) -> None:
+        """Revive the tombstones on token_ids' path from position lo on whose pages in `row`
+        (slots of token_ids, the caller's past lo) all have SWA KV.
 
         Unlocked: the node and the row swap slots, so the node's old pages are the ones
         freed, and the row is rewritten with the node's new ones. Locked: the rows of its
-        holders keep its slots, so the request's SWA pages move under the node's pages.
+        holders keep its slots, so the row's SWA pages move under the node's pages.
         """
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         node = RadixCache.match_prefix(self, token_ids).last_node
-        while node is not self.root and node.start >= req.cache_protected_len:
+        while node is not self.root and node.start >= lo:
             mine = row[node.start : node.end]
             if node.tombstone and bool(self.allocator.has_swa(mine).all()):
                 if node.lock_ref == 0:
@@ -218,7 +258,7 @@ class SwaRadixCache(RadixCache):
     def _split(self, child: SwaTreeNode, n: int) -> SwaTreeNode:
         upper = super()._split(child, n)
         upper.tombstone, upper.swa_cold = child.tombstone, child.swa_cold
-        reach = upper.end + self.sliding_window
+        reach = upper.end + self.sliding_window - 1
         upper.swa_locks = {d: c for d, c in child.swa_locks.items() if d < reach}
         if child.swa_locks and not upper.swa_locks and not child.tombstone:
             self._swa_protected -= n
@@ -230,15 +270,19 @@ class SwaRadixCache(RadixCache):
         self._swa_evictable += len(key)
 
     def _window(self, node: SwaTreeNode) -> Iterator[SwaTreeNode]:
-        """The path nodes that a lock on node SWA-locks: those meeting [end - W, end)."""
-        depth, n = node.end, node
-        while n is not self.root and n.end > depth - self.sliding_window:
+        """The path nodes that a lock on node SWA-locks: those meeting [end - W + 1, end)."""
+        start, n = self._window_start(node.end), node
+        while n is not self.root and n.end > start:
             yield n
             n = n.parent
 
     def _locked_below(self, node: SwaTreeNode, end: int) -> bool:
         """Would node's part [start, end) keep an SWA lock?"""
-        return any(d - self.sliding_window < end for d in node.swa_locks)
+        return any(self._window_start(d) < end for d in node.swa_locks)
+
+    def _window_start(self, depth: int) -> int:
+        """First key position a query at `depth` reads from the cache: depth - W + 1."""
+        return depth - self.sliding_window + 1
 
     def _can_drop_swa(self, node: SwaTreeNode) -> bool:
         return not node.tombstone and not node.swa_locks

@@ -38,8 +38,6 @@ def make_kv_pools(
 
 def check_swa_args(args: ServerArgs, config: ModelConfig) -> None:
     """Refuse, at start-up, settings under which a sliding-window model cannot run."""
-    if args.host_store_size:
-        raise ValueError("--host-store-size does not support models with sliding-window layers")
     ps, window = args.page_size, config.sliding_window
     chunk = args.chunked_prefill_size
     if chunk != -1:

@@ -256,13 +256,25 @@ class Scheduler:
         NOTE: a page of the prefix may still be written by a forward in flight (the
         chunked request's previous chunk); the transfer waits on the KV write fence first.
         """
+        self.wait_host_loads(snap.seq)
         for req in snap.batch.reqs:
             if req.prefix_len > req.start_send_idx:
                 t0 = clock_ns()
                 self.send_kv_chunk(req, last=False, end_idx=req.prefix_len)
                 self.metrics.add_phase("early-send", t0)
 
+    def wait_host_loads(self, seq: int) -> None:
+        """Host-store loads queued by admission fill their device pages before anything
+        reads them (the early send, the forward)."""
+        if self.host_tier is not None:
+            t0 = clock_ns()
+            self.host_tier.wait_loads()
+            self.metrics.add_phase("host-load-wait", t0, seq)
+
     def submit(self, snap: ForwardSnapshot) -> None:
+        if self.host_tier is not None:
+            self.wait_host_loads(snap.seq)
+            self.host_tier.note_submit(snap.input)
         t0 = clock_ns()
         self.worker.submit(snap.input)
         self.forwards_in_flight += 1

@@ -76,7 +76,7 @@ def assert_window_kv(model, ids: list[int], received: torch.Tensor, prefix_len: 
     assert swa  # full may be empty: every layer slides
     got = received[:, :, prefix_len:]
     torch.testing.assert_close(got[:, full], want[:, full, prefix_len:], rtol=1e-4, atol=1e-4)
-    start = max(prefix_len, n - WINDOW)
+    start = max(prefix_len, n - WINDOW + 1)
     torch.testing.assert_close(received[:, swa, start:], want[:, swa, start:])
     lo = max(prefix_len, window_first_page(n, WINDOW, PAGE) * PAGE)
     assert received[:, swa, prefix_len:lo].isnan().all()

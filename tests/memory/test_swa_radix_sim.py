@@ -46,7 +46,8 @@ def apply(sim: Sim, op: str, n: int, prompt: list[int]) -> None:
     ("page_size", "num_pages", "num_swa_pages", "window", "chunk", "disable", "free"),
     [(4, 40, 10, 8, 8, False, False), (1, 96, 24, 5, 7, False, False),
      (4, 24, 6, 6, 12, False, False), (16, 10, 5, 20, 24, False, False),
-     (4, 40, 10, 8, 8, True, False), (4, 24, 6, 6, 12, False, True)],
+     (4, 40, 10, 8, 8, True, False), (4, 24, 6, 6, 12, False, True),
+     (4, 40, 10, 5, 8, False, False), (4, 40, 10, 1, 8, False, True)],
 )  # fmt: skip
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(op_st, min_size=20, max_size=60))

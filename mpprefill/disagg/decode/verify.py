@@ -5,7 +5,7 @@ only, as whole pages. So SWA layers are compared in that window, and each positi
 the pages sent must still hold the NaN that a room's pages get when allocated (`poison`):
 nothing else of those layers was written.
 
-    position     prefix_len ......... lo ...... L - W ........... L    lo: first page sent
+    position     prefix_len ......... lo .... L - W + 1 ......... L    lo: first page sent
     full layers  [ compared                                       ]
     SWA layers   [ NaN                ][ sent   ][ compared       ]
 """
@@ -84,7 +84,7 @@ def check_kv(
     atol = 1e-4 if expected.dtype == torch.float32 else 2e-2
     ok, err = _close(received[:, full, prefix_len:], expected[:, full, prefix_len:], atol)
     if swa:
-        window = max(prefix_len, n - config.sliding_window)
+        window = max(prefix_len, n - config.sliding_window + 1)
         ok_w, err_w = _close(received[:, swa, window:], expected[:, swa, window:], atol)
         lo = max(prefix_len, window_first_page(n, config.sliding_window, page_size) * page_size)
         unsent = bool(received[:, swa, prefix_len:lo].isnan().all())

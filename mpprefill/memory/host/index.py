@@ -10,6 +10,9 @@ first page the index lacks.
 
 NOTE: only leaves are evicted (pages no other page chains from), so the index stays
 prefix-closed: when page i is held, pages 0..i-1 of that prompt are held too.
+
+With sliding-window layers an entry may also hold its page's SWA KV (`swa_page`): the
+pages of a checkpoint, the window before a prefix end that a later match may stop at.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class HostPage:
     tokens: tuple[int, ...] = field(repr=False)
     page: int  # host page number; its slots are [page * page_size, (page + 1) * page_size)
     ready: bool = False  # its KV copy has been retired; until then it is a write in flight
+    swa_page: int = -1  # host SWA page holding its sliding-window KV, -1: none
+    swa_ready: bool = False  # that SWA copy has been retired
     children: int = 0
     last_access: int = 0
 
@@ -86,12 +91,17 @@ class HostPageIndex:
         if not entry.children:
             self._push(entry)
 
-    def evict(self, num_pages: int, keep: frozenset[int] = frozenset()) -> list[int]:
-        """Drop up to num_pages ready leaves, least recently used first; their page numbers.
+    def set_swa_ready(self, entry: HostPage) -> None:
+        entry.swa_ready = True
+        if not entry.children:
+            self._push(entry)
+
+    def evict(self, num_pages: int, keep: frozenset[int] = frozenset()) -> list[HostPage]:
+        """Drop up to num_pages ready leaves, least recently used first; the entries dropped.
 
         Entries whose id is in `keep`, and writes in flight, are never dropped.
         """
-        freed: list[int] = []
+        freed: list[HostPage] = []
         kept: list[HostPage] = []
         while len(freed) < num_pages and self._heap:
             access, _, entry = heapq.heappop(self._heap)
@@ -101,7 +111,7 @@ class HostPageIndex:
                 kept.append(entry)
                 continue
             self._remove(entry)
-            freed.append(entry.page)
+            freed.append(entry)
             if entry.parent is not self.root and not entry.parent.children:
                 self._push(entry.parent)
         for entry in kept:
@@ -110,7 +120,8 @@ class HostPageIndex:
 
     def _evictable(self, entry: HostPage) -> bool:
         key = (entry.parent.id, entry.tokens)
-        return entry.ready and not entry.children and self._entries.get(key) is entry
+        written = entry.ready and (entry.swa_page < 0 or entry.swa_ready)
+        return written and not entry.children and self._entries.get(key) is entry
 
     def _push(self, entry: HostPage) -> None:
         heapq.heappush(self._heap, (entry.last_access, entry.id, entry))

@@ -1,8 +1,8 @@
 """WritebackBuffers: reusable buffers that hold gathered KV until the host store's copy is done.
 
-A batched write-back gathers its device slots into one buffer on the scheduler thread; the
-copy thread then scatters it into host slots. The buffer goes back to the spares when the
-write retires.
+The copy thread gathers a copy's source slots into one buffer and scatters it into the
+destination slots; the buffer goes back to the spares when the copy is done. Only that
+thread takes and gives buffers.
 
 NOTE: reuse matters on the host: a fresh allocation of tens of MiB is mapped anew and
 page-faulted on first touch at every write; a spare is not.
@@ -23,15 +23,17 @@ class WritebackBuffers:
         self.dtype = dtype
         self._spares: list[Tensor] = []
 
-    def take(self, num_slots: int, device: torch.device) -> Tensor:
+    def take(self, num_slots: int, device: torch.device, pin: bool = False) -> Tensor:
         """A flat buffer for at least num_slots slots' KV: the smallest spare that fits, or a
-        new one rounded up to a power of two of slots."""
+        new one rounded up to a power of two of slots (pinned host memory with pin)."""
         need = num_slots * self.slot_numel
         fits = [i for i, b in enumerate(self._spares) if b.numel() >= need and b.device == device]
+        if pin:
+            fits = [i for i in fits if self._spares[i].is_pinned()]
         if fits:
             return self._spares.pop(min(fits, key=lambda i: self._spares[i].numel()))
         slots = 1 << max(num_slots - 1, 0).bit_length()
-        return torch.empty(slots * self.slot_numel, dtype=self.dtype, device=device)
+        return torch.empty(slots * self.slot_numel, dtype=self.dtype, device=device, pin_memory=pin)
 
     def view(self, buf: Tensor, num_slots: int) -> Tensor:
         """The first num_slots slots of buf as contiguous KV [2, layers, n, heads, dim]."""

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpprefill.memory.host.store import HostKVStore
+from mpprefill.memory.host.store import HostKVStore, PoolWrite
 from mpprefill.memory.kv_cache import KVCache
 
 PS = 4
@@ -31,14 +31,14 @@ def tokens(tag: int, num_pages: int) -> list[int]:
 
 def hold(store: HostKVStore, gate: threading.Event) -> None:
     """Keep the copy thread busy until gate is set (10 s at most, so a failure cannot hang)."""
-    store.copier.submit(gate.wait, 10)
+    store.copier.submit_call(lambda: gate.wait(10))
 
 
 def write(store: HostKVStore, kv: KVCache, ids: list[int], device_slots: torch.Tensor):
     """Reserve and write back ids' missing pages from device_slots (one slot per token of ids)."""
-    first, host_slots, entries = store.reserve(ids)
+    first, host_slots, entries, _ = store.reserve(ids)
     start = first * PS
-    store.write(kv, device_slots[start : start + len(host_slots)], host_slots, entries)
+    store.write(kv, PoolWrite(device_slots[start : start + len(host_slots)], host_slots), entries)
     return first, host_slots, entries
 
 
@@ -70,7 +70,7 @@ def test_shared_prefix_is_stored_once_and_loads_back():
     store.retire(wait=True)
     assert len(store.match(b)) == 4 and store.held_tokens() == 5 * PS
     target = torch.arange(40, 56)
-    store.load(store.match(b), kv, target)
+    store.load(store.match(b), kv, target).result()
     expect = torch.cat([torch.arange(8), torch.arange(24, 32)])
     assert torch.equal(kv.gather(target), kv.gather(expect))
     store.check()
@@ -130,7 +130,7 @@ def test_writes_in_flight_are_never_evicted():
     write(store, kv, tokens(2, 2), torch.arange(8, 16))  # two pages in flight
     _, host_slots, _ = write(store, kv, tokens(3, 4), torch.arange(16, 32))
     assert len(host_slots) == 2 * PS  # only the two ready pages could be evicted
-    _, host_slots, entries = store.reserve(tokens(4, 1))
+    _, host_slots, entries, _ = store.reserve(tokens(4, 1))
     assert len(host_slots) == 0 and entries == []  # everything is in flight now
     store.check()
     assert store.match(tokens(1, 2)) == []
@@ -151,24 +151,41 @@ def test_check_catches_a_page_freed_while_held():
         store.check()
 
 
-def test_writeback_buffers_are_reused_once_their_write_retires():
+def test_writeback_buffers_are_reused_once_their_copy_is_done():
     kv = device_kv()
     store = make_store(8, kv)
     gate = threading.Event()
     hold(store, gate)
     write(store, kv, tokens(1, 2), torch.arange(8))
     write(store, kv, tokens(2, 1), torch.arange(8, 12))
-    assert store.buffers.spare_bytes() == 0  # both buffers are read by copies in flight
+    assert store.buffers.spare_bytes() == 0  # the copy thread has not run them yet
     gate.set()
     store.retire(wait=True)
     spare = store.buffers.spare_bytes()
-    assert spare == (8 + 4) * store.buffers.slot_numel * 4
+    assert spare == 8 * store.buffers.slot_numel * 4  # one buffer served both copies
     write(store, kv, tokens(3, 2), torch.arange(12, 20))
-    assert store.buffers.spare_bytes() == spare - 8 * store.buffers.slot_numel * 4
     store.retire(wait=True)
+    assert store.buffers.spare_bytes() == spare
     assert torch.equal(
         store.kv.gather(store.slots_of(store.match(tokens(3, 2)))), kv.gather(torch.arange(12, 20))
     )
+
+
+def test_a_load_runs_after_the_copies_before_it_and_after_its_fence():
+    kv = device_kv()
+    store = make_store(8, kv)
+    write(store, kv, tokens(1, 2), torch.arange(8))
+    store.retire(wait=True)
+    gate, fenced = threading.Event(), threading.Event()
+    hold(store, gate)
+    target = torch.arange(40, 48)
+    before = kv.gather(target).clone()
+    load = store.load(store.match(tokens(1, 2)), kv, target, before=fenced.set)
+    assert not load.done() and torch.equal(kv.gather(target), before)  # queued behind
+    gate.set()
+    load.result(timeout=10)
+    assert fenced.is_set() and torch.equal(kv.gather(target), kv.gather(torch.arange(8)))
+    store.close()
 
 
 def test_empty_store_is_refused():
