@@ -1,0 +1,143 @@
+"""A tensor-parallel group of forward processes (2 CPU ranks over gloo) behind one
+scheduler: the same first tokens and logits as one rank, and a dead rank fails the group."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+
+import pytest
+
+import ipc
+from mpprefill.config import ServerArgs
+from mpprefill.engine import PrefillEngine
+from mpprefill.model import ModelConfig
+from mpprefill.model.export import save_random_model
+from mpprefill.worker.api import WorkerDied
+
+pytestmark = pytest.mark.timeout(240)
+
+# GQA with one KV head per rank, an MLP and a vocabulary that split in two.
+SMALL = ModelConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    attention_bias=True,
+    architecture="Qwen2ForCausalLM",
+)
+SYSTEM = [(7 * i) % 500 + 1 for i in range(80)]
+# A shared system prompt (prefix hits in the second call), and a prompt longer than a chunk.
+PROMPTS = [SYSTEM + [3, 4, 5], SYSTEM + [9] * 20, [(i * 13) % 511 for i in range(150)]]
+ENGINE = dict(page_size=16, chunked_prefill_size=64, max_prefill_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_random_model(SMALL, str(tmp_path_factory.mktemp("small")), seed=3)
+
+
+def run(model_dir: str, mode: str, tp_size: int):
+    with PrefillEngine(
+        model_dir, forward_mode=mode, tp_size=tp_size, check_invariants=True, **ENGINE
+    ) as eng:
+        first = eng.prefill(PROMPTS[:1], return_logits=True)
+        rest = eng.prefill(PROMPTS, return_logits=True)
+        assert len(eng.worker.pids) == tp_size
+        prefix = eng.worker.prefix
+    assert ipc.list_segments(prefix) == []
+    return first + rest
+
+
+def rel_err(got, want) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.fixture(scope="module")
+def tp1(model_dir):
+    return run(model_dir, "proc-ahead", 1)
+
+
+@pytest.mark.parametrize("mode", ["proc", "proc-ahead"])
+def test_tp2_engine_matches_tp1(model_dir, tp1, mode):
+    tp2 = run(model_dir, mode, 2)
+    assert [o.cached_tokens for o in tp1] == [0, 80, 80, 0]
+    assert [o.cached_tokens for o in tp2] == [o.cached_tokens for o in tp1]
+    assert [o.first_token for o in tp2] == [o.first_token for o in tp1]
+    for a, b in zip(tp1, tp2, strict=True):
+        assert rel_err(b.logits, a.logits) < 1e-4
+
+
+def _kill_soon(pid: int, after_s: float, killed_at: list[float]) -> None:
+    def kill():
+        time.sleep(after_s)
+        killed_at.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+
+
+def test_sigkill_of_one_rank_fails_the_group(model_dir):
+    prompts = [[(i % 50) + 1] * 300 for i in range(40)]
+    with PrefillEngine(
+        model_dir, forward_mode="proc-ahead", tp_size=2, max_running_requests=2, **ENGINE
+    ) as eng:
+        finished = []
+        eng.scheduler.reqs.on_finish = finished.append
+        killed_at: list[float] = []
+        _kill_soon(eng.worker.pids[1], 1.0, killed_at)
+        with pytest.raises(WorkerDied):
+            eng.prefill(prompts)
+        noticed = time.monotonic()
+        assert killed_at and noticed - killed_at[0] < 5.0
+        assert len(finished) == len(prompts)  # every request answered, done or failed
+        failed = [r for r in finished if r.error]
+        assert failed and all("forward process" in r.error for r in failed)
+        procs = [rank.proc for rank in eng.worker.ranks]
+        assert not any(p.is_alive() for p in procs)  # the surviving rank was stopped too
+        assert ipc.list_segments(eng.worker.prefix) == []
+
+
+def test_idle_group_reports_a_dead_rank_on_its_sentinel(model_dir):
+    with PrefillEngine(model_dir, forward_mode="proc", tp_size=2, **ENGINE) as eng:
+        assert eng.worker.death() is None
+        fd = eng.worker.sentinel
+        assert select.select([fd], [], [], 0)[0] == []
+        os.kill(eng.worker.pids[1], signal.SIGKILL)
+        assert select.select([fd], [], [], 10)[0] == [fd]
+        assert "tp rank 1" in eng.worker.death()
+        with pytest.raises(WorkerDied):
+            eng.prefill([[1, 2, 3]])
+        prefix = eng.worker.prefix
+    assert ipc.list_segments(prefix) == []
+
+
+@pytest.mark.parametrize("mode", ["normal", "overlap", "thread", "thread-ahead"])
+def test_in_process_modes_refuse_tp(mode):
+    with pytest.raises(ValueError, match="proc or proc-ahead"):
+        PrefillEngine(forward_mode=mode, tp_size=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tp_size=0), "--tp-size must be >= 1"),
+        (dict(tp_size=2, device="emulated"), "emulated"),
+        (dict(tp_size=2, disaggregation_transfer_backend="shm"), "transfer"),
+        (dict(tp_size=2, host_store_size=64), "host-store-size"),
+    ],
+)
+def test_unsupported_tp_settings_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ServerArgs(**kwargs)
+
+
+def test_unshardable_model_is_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="--tp-size 3"):
+        PrefillEngine(forward_mode="proc", tp_size=3)
