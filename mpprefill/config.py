@@ -12,7 +12,8 @@ FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ah
 TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
 DEVICES = ("cpu", "cuda", "emulated")
 EMULATE_GPUS = ("h100", "h200", "b200")
-EMULATE_MODELS = ("Qwen2.5-0.5B", "Llama-3.1-8B", "Qwen2.5-14B")  # presets; or a config.json
+# presets; or a config.json
+EMULATE_MODELS = ("Qwen2.5-0.5B", "Llama-3.1-8B", "Qwen2.5-14B", "Llama-3.1-70B")
 STAGINGS = ("pinned", "cuda-ipc")  # how a CUDA worker gets its batch inputs
 SWA_PATTERN_HELP = (
     "which layers slide: 'all', layer ids '0,2,5', or a pattern of s (sliding) and f (full)"
@@ -114,7 +115,8 @@ class ServerArgs:
         1,
         "tensor parallel size: that many forward processes, rank r on cuda:r (NCCL) or a CPU"
         " rank (gloo), sharding the model Megatron-style; needs --forward-mode proc or"
-        " proc-ahead",
+        " proc-ahead. With --device emulated, one process charges one GPU's time of the"
+        " group: its shard's roofline plus the all-reduces over NVLink",
     )
 
     def __post_init__(self):
@@ -158,8 +160,6 @@ class ServerArgs:
 
     def _check_tp(self) -> None:
         """What a tensor-parallel group does not run (yet)."""
-        if self.device == "emulated":
-            raise ValueError("--tp-size > 1 does not run on --device emulated")
         if self.disaggregation_transfer_backend != "fake":
             raise ValueError(
                 "--tp-size > 1 runs with --disaggregation-transfer-backend fake only: the"
@@ -200,7 +200,8 @@ class ServerArgs:
     def resolved_forward_mode(self) -> str:
         mode = resolve_forward_mode(self.forward_mode, self.disable_overlap_schedule)
         check_dispatch(mode, self.disaggregation_mode, self.pp_size)
-        if self.tp_size > 1 and mode not in ("proc", "proc-ahead"):
+        emulated = self.device == "emulated"  # one process models the group's device
+        if self.tp_size > 1 and not emulated and mode not in ("proc", "proc-ahead"):
             raise ValueError(
                 f"--tp-size {self.tp_size} needs a forward process group: --forward-mode proc"
                 f" or proc-ahead, not {mode}"

@@ -21,6 +21,13 @@ def num_kv_slots(args: ServerArgs) -> int:
     return args.num_pages * args.page_size
 
 
+def group_size(args: ServerArgs) -> int:
+    """Forward processes of the worker: one per tensor-parallel rank, but one in all for
+    the emulated device, whose clock charges one rank's time of the whole group (the ranks
+    run the same host path in lockstep)."""
+    return 1 if args.device == "emulated" else args.tp_size
+
+
 def worker_model_config(args: ServerArgs) -> ModelConfig:
     """The config of the model the worker runs (for an emulated device, the small-width
     stand-in with the emulated model's layer count)."""
@@ -49,7 +56,7 @@ def emulated_device(args: ServerArgs):
         return None
     from mpprefill.worker.emulated import EmulatedDevice
 
-    return EmulatedDevice.of(args.emulate_model, args.emulate_gpu)
+    return EmulatedDevice.of(args.emulate_model, args.emulate_gpu, args.tp_size)
 
 
 def build_runner(

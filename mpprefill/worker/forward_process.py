@@ -37,7 +37,13 @@ from mpprefill.sampling import SamplingBatchInfo
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker.api import ForwardInput
-from mpprefill.worker.build import build_runner, num_kv_slots, swa_slots, worker_model_config
+from mpprefill.worker.build import (
+    build_runner,
+    group_size,
+    num_kv_slots,
+    swa_slots,
+    worker_model_config,
+)
 from mpprefill.worker.device import DevicePlan, HostStream
 from mpprefill.worker.events import WorkerOrder, forward_gen, make_events, sample_gen
 from mpprefill.worker.hooks import DeviceHooks, LateReads
@@ -203,7 +209,7 @@ def _own_copy(sampling: SamplingBatchInfo) -> SamplingBatchInfo:
 
 def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> None:
     """`endpoints`: the scheduler's request channel and its reply channel."""
-    name = "worker" if setup.args.get("tp_size", 1) == 1 else f"worker{setup.tp_rank}"
+    name = "worker" if setup.tp_store is None else f"worker{setup.tp_rank}"
     logging.basicConfig(
         level=setup.args.get("log_level", "info").upper(),
         format=f"%(asctime)s %(levelname)s {name}: %(message)s",
@@ -293,7 +299,7 @@ def _setup(args: ServerArgs, setup: WorkerSetup, parent: int):
 
 def _join_group(args: ServerArgs, setup: WorkerSetup, plan: DevicePlan) -> TPRank | None:
     """This rank's place in its tensor-parallel group (on a GPU, device `rank`)."""
-    if args.tp_size == 1:
+    if setup.tp_store is None:
         return None
     if plan.device == "cuda":
         torch.cuda.set_device(setup.tp_rank)
@@ -303,9 +309,10 @@ def _join_group(args: ServerArgs, setup: WorkerSetup, plan: DevicePlan) -> TPRan
 
 def _threads(args: ServerArgs) -> int:
     """Torch threads; CPU ranks of a group share the cores unless told otherwise."""
-    if args.worker_threads > 0 or args.tp_size == 1:
+    size = group_size(args)
+    if args.worker_threads > 0 or size == 1:
         return args.worker_threads
-    return max(1, (os.cpu_count() or 1) // args.tp_size)
+    return max(1, (os.cpu_count() or 1) // size)
 
 
 def _runner(args: ServerArgs, plan: DevicePlan, prefix: str, tp: TPRank | None = None):

@@ -71,7 +71,7 @@ class RankLink:
             tp_rank=rank,
             tp_store=store,
         )
-        name = "mpprefill-forward" if args.tp_size == 1 else f"mpprefill-forward-tp{rank}"
+        name = "mpprefill-forward" if store is None else f"mpprefill-forward-tp{rank}"
         self.proc = mp.get_context("spawn").Process(
             target=worker_main,
             name=name,

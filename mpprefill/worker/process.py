@@ -16,7 +16,7 @@ from mpprefill.model import ModelConfig
 from mpprefill.model.loader import config_from_args
 from mpprefill.model.parallel import check_shardable
 from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied, sleep_until_ns
-from mpprefill.worker.build import num_kv_slots, swa_slots
+from mpprefill.worker.build import group_size, num_kv_slots, swa_slots
 from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.events import NUM_SLOTS, forward_gen, sample_gen
 from mpprefill.worker.fence import KVWriteFence
@@ -60,15 +60,16 @@ class ProcessWorker(Worker):
 
     def _start(self, args: ServerArgs, hooks: DeviceHooks, undo: contextlib.ExitStack):
         config = config_from_args(args)
-        if args.tp_size > 1:
-            check_shardable(config, args.tp_size)
+        size = group_size(args)
+        if size > 1:
+            check_shardable(config, size)
         self.staging = make_staging(_specs(args, config), self.prefix, self.plan)
         undo.callback(self.staging.unlink)
-        self._store = start_store() if args.tp_size > 1 else None
+        self._store = start_store() if size > 1 else None
         store = None if self._store is None else ("127.0.0.1", self._store.port)
         self.ranks = [
             RankLink(args, self.plan, self.prefix, self.staging.handles, hooks, r, store, undo)
-            for r in range(args.tp_size)
+            for r in range(size)
         ]
         orders = [rank.order for rank in self.ranks]
         self.order = orders[0] if len(orders) == 1 else GroupOrder(orders)
