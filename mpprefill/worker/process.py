@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Iterator
 
@@ -217,8 +218,9 @@ class ProcessWorker(Worker):
             if rank.proc.is_alive():
                 with contextlib.suppress(ipc.MailboxError):
                     rank.requests.put(Exit("close"), timeout=2)
+        deadline = time.monotonic() + 5  # one wait for the whole group
         for rank in self.ranks:
-            rank.proc.join(5)
+            rank.proc.join(max(0.0, deadline - time.monotonic()))
             stop_process(rank.proc)
         if self._sentinel is not None:
             self._sentinel.close()

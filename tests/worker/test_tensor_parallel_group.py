@@ -3,6 +3,7 @@ scheduler: the same first tokens and logits as one rank, and a dead rank fails t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -72,6 +73,55 @@ def test_tp2_engine_matches_tp1(model_dir, tp1, mode):
     assert [o.first_token for o in tp2] == [o.first_token for o in tp1]
     for a, b in zip(tp1, tp2, strict=True):
         assert rel_err(b.logits, a.logits) < 1e-4
+
+
+def test_tp2_sliding_window_engine_matches_tp1():
+    """The built-in model with sliding-window layers in their own (sharded) pool."""
+    swa = dict(sliding_window=24, swa_layers="fs", swa_full_tokens_ratio=0.5, **ENGINE)
+    outs = {}
+    for tp in (1, 2):
+        with PrefillEngine(
+            forward_mode="proc-ahead", tp_size=tp, check_invariants=True, **swa
+        ) as eng:
+            outs[tp] = eng.prefill(PROMPTS[:1], return_logits=True)
+            outs[tp] += eng.prefill(PROMPTS, return_logits=True)
+    assert [o.cached_tokens for o in outs[2]] == [o.cached_tokens for o in outs[1]]
+    assert sum(o.cached_tokens for o in outs[2]) > 0
+    assert [o.first_token for o in outs[2]] == [o.first_token for o in outs[1]]
+    for a, b in zip(outs[1], outs[2], strict=True):
+        assert rel_err(b.logits, a.logits) < 1e-4
+
+
+def test_a_hung_rank_fails_the_group_within_the_forward_timeout(model_dir):
+    prompts = [[(i % 50) + 1] * 300 for i in range(40)]
+    with PrefillEngine(
+        model_dir,
+        forward_mode="proc-ahead",
+        tp_size=2,
+        max_running_requests=2,
+        forward_timeout=3.0,
+        **ENGINE,
+    ) as eng:
+        hung = eng.worker.pids[1]
+        stopped_at: list[float] = []
+
+        def stop():
+            time.sleep(1.0)
+            stopped_at.append(time.monotonic())
+            os.kill(hung, signal.SIGSTOP)
+
+        threading.Thread(target=stop, daemon=True).start()
+        try:
+            with pytest.raises(WorkerDied):
+                eng.prefill(prompts)
+            # the 3 s collective timeout, then the group stop (5 s for the hung rank to exit)
+            assert stopped_at and time.monotonic() - stopped_at[0] < 3.0 + 5.0 + 5.0
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # gone once the group was stopped
+                os.kill(hung, signal.SIGCONT)
+        eng.close()
+        assert not any(rank.proc.is_alive() for rank in eng.worker.ranks)
+        assert ipc.list_segments(eng.worker.prefix) == []
 
 
 def _kill_soon(pid: int, after_s: float, killed_at: list[float]) -> None:
