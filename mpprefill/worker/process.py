@@ -15,7 +15,7 @@ from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig
 from mpprefill.model.loader import config_from_args
-from mpprefill.model.parallel import check_shardable
+from mpprefill.model.parallel import TPRank, check_shardable, shard_config
 from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied, sleep_until_ns
 from mpprefill.worker.build import group_size, num_kv_slots, swa_slots
 from mpprefill.worker.device import DevicePlan
@@ -86,6 +86,7 @@ class ProcessWorker(Worker):
             if not isinstance(ready, Ready):
                 name = type(ready).__name__
                 raise WorkerDied(f"{rank.label} sent {name} instead of Ready")
+        self._readies = readies
         self._ready = readies[0]
         self.model_config = ModelConfig(**self._ready.model_config)
         self.result = ipc.open_bundle(self._ready.result)  # rank 0 writes the results
@@ -104,6 +105,24 @@ class ProcessWorker(Worker):
                 num_swa_slots=swa_slots(self.args),
             )
         return self._kv
+
+    def kv_shards(self) -> list[tuple[KVCache, range]]:
+        """Every rank's KV pool and the model's KV heads it holds, rank 0 first (one rank:
+        the whole pool). Slot and page indices mean the same in every pool. Read pages
+        only after `kv_fence`."""
+        if len(self.ranks) == 1:
+            return [(self.kv_cache, range(self.model_config.num_key_value_heads))]
+        shards = []
+        for r, ready in enumerate(self._readies):
+            tp = TPRank(r, len(self.ranks))
+            kv = KVCache.for_model(
+                shard_config(self.model_config, tp),
+                num_kv_slots(self.args),
+                buffer=ipc.open_handle(ready.kv),
+                num_swa_slots=swa_slots(self.args),
+            )
+            shards.append((kv, tp.kv_heads(self.model_config)))
+        return shards
 
     @property
     def pid(self) -> int:

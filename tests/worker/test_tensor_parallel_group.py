@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import ipc
 from mpprefill.config import ServerArgs
@@ -122,6 +123,22 @@ def test_a_hung_rank_fails_the_group_within_the_forward_timeout(model_dir):
         eng.close()
         assert not any(rank.proc.is_alive() for rank in eng.worker.ranks)
         assert ipc.list_segments(eng.worker.prefix) == []
+
+
+def test_each_rank_holds_its_kv_heads_at_the_same_slots(model_dir):
+    """Rank r's pool holds KV head r (of 2) at the slots where one rank holds all heads."""
+    pools = {}
+    for tp in (1, 2):
+        with PrefillEngine(model_dir, forward_mode="proc", tp_size=tp, **ENGINE) as eng:
+            eng.prefill(PROMPTS)
+            pools[tp] = [(kv.buffer.clone(), heads) for kv, heads in eng.worker.kv_shards()]
+    ((whole, all_heads),) = pools[1]
+    assert all_heads == range(2) and whole.abs().sum() > 0
+    assert [heads for _, heads in pools[2]] == [range(0, 1), range(1, 2)]
+    for shard, heads in pools[2]:
+        assert shard.shape[3] == 1
+        want = whole[:, :, :, heads.start : heads.stop]
+        assert torch.allclose(shard, want, atol=1e-5, rtol=1e-4)
 
 
 def _kill_soon(pid: int, after_s: float, killed_at: list[float]) -> None:
