@@ -111,6 +111,11 @@ class ServerArgs:
         "free a running request's sliding-window KV once it leaves the window, instead of"
         " keeping it (evicted first) for prefix hits",
     )
+    disaggregation_bootstrap_port: int = _f(
+        8998,
+        "port of the bootstrap endpoint where decode servers register their rooms (shm and"
+        " mooncake without --decode-address; 0: any free port)",
+    )
     tp_size: int = _f(
         1,
         "tensor parallel size: that many forward processes, rank r on cuda:r (NCCL) or a CPU"

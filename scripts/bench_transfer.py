@@ -61,7 +61,8 @@ class Decode:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.address = f"127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "mpprefill.disagg.decode", "--port", str(port)]
+        cmd = [sys.executable, "-m", "mpprefill.disagg.decode", "--receiver-port", str(port)]
+        cmd += ["--zmq-port", "0"]
         cmd += ["--model-path", model, "--max-total-tokens", str(tokens), "--page-size", str(page)]
         cmd += ["--disaggregation-transfer-backend", backend, "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)

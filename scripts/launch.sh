@@ -20,7 +20,7 @@ cleanup() {
 }
 trap cleanup INT TERM EXIT
 if [ "$BACKEND" != "fake" ]; then
-    .venv/bin/mpprefill decode --port "$DECODE_PORT" --disaggregation-transfer-backend "$BACKEND" &
+    .venv/bin/mpprefill decode --receiver-port "$DECODE_PORT" --disaggregation-transfer-backend "$BACKEND" &
     pids+=($!)
 fi
 .venv/bin/mpprefill serve --disaggregation-transfer-backend "$BACKEND" \

@@ -55,11 +55,14 @@ class Child:
             return ""
 
 
-def _start(name: str, flags: list[str], log_dir: str, timeout: float, probe) -> Child:
-    """Spawn `mpprefill name`, then call probe(client) until it stops timing out."""
+def _start(
+    name: str, flags: list[str], log_dir: str, timeout: float, probe, port_flag: str = "--port"
+) -> Child:
+    """Spawn `mpprefill name` with `port_flag` a free port, then call probe(client) on that
+    port until it stops timing out."""
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}-{port}.log")
-    cmd = [sys.executable, "-m", "mpprefill", name, *flags, "--port", str(port)]
+    cmd = [sys.executable, "-m", "mpprefill", name, *flags, port_flag, str(port)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     child = Child(name, proc, port, log_path)
@@ -76,7 +79,9 @@ def start_server(flags: list[str], log_dir: str, timeout: float = 120.0) -> Chil
 
 
 def start_decode(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
-    return _start("decode", flags, log_dir, timeout, _ping)
+    """A decode receiver without its HTTP front; `Child.port` is its receiver socket."""
+    flags = ["--zmq-port", "0", *flags]  # its request socket, unused here: any free port
+    return _start("decode", flags, log_dir, timeout, _ping, "--receiver-port")
 
 
 def _ping(client: Client) -> None:

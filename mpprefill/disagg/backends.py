@@ -19,10 +19,12 @@ def make_transfer(
     decode_address: str | None = None,
     **kw,
 ):
-    """The prefill side's transfer backend. `kw`: bootstrap_timeout, dead_timeout, ...
+    """The prefill side's transfer backend. `kw`: bootstrap_timeout, dead_timeout,
+    bootstrap_host, bootstrap_port, ...
 
     "fake" moves nothing and needs no decode side; "shm" and "mooncake" start a
-    transfer thread that talks to the decode receiver at `decode_address` (host:port).
+    transfer thread that talks to the decode receiver at `decode_address` (host:port), or,
+    without one, serves the bootstrap endpoint where decode servers register their rooms.
     """
     if name == "fake":
         return FakeTransfer()

@@ -3,8 +3,8 @@
 Both pools are registered with an engine (the prefill's whole KVCache.storage: its full and
 sliding-window pools). The decode side describes its pool by session id and base address;
 the prefill thread writes every (K/V, layer, run of pages) chunk, addressed per plane.
-The peer names the session written to, so only a session on the decode address's host,
-and never the prefill's own, is accepted (`check_session`).
+The peer names the session written to, so only a session on the host of the receiver that
+named it, and never the prefill's own, is accepted (`check_session`).
 """
 
 from __future__ import annotations
@@ -65,13 +65,19 @@ def _register(engine, t: torch.Tensor) -> None:
 
 
 def check_session(session: str, decode_host: str, own_session: str) -> None:
-    """ValueError unless `session` (host:port) is on the host of `--decode-address` and is
-    not this prefill's own engine (whose registered memory is its KV pool)."""
+    """ValueError unless `session` (host:port) is on `decode_host` (the receiver's that named
+    it) and is not this prefill's own engine (whose registered memory is its KV pool)."""
     host, _, port = session.rpartition(":")
     if not port.isdigit() or session == own_session:
         raise ValueError(f"mooncake session {quote(session)} is not a decode receiver's")
     if _address(host) != _address(decode_host):
         raise ValueError(f"mooncake session {quote(session)} is not on {decode_host}")
+
+
+def _host_of(address: str) -> str:
+    """The host of `host:port` (a bare host as it is)."""
+    host, sep, port = address.rpartition(":")
+    return host.strip("[]") if sep and port.isdigit() else address
 
 
 def _address(host: str) -> str:
@@ -131,21 +137,22 @@ class MooncakeTransfer(TransferBackend):
         local_host: str | None = None,
         **kw,
     ):
-        decode_host = (decode_address or DEFAULT_DECODE_ADDRESS).rsplit(":", 1)[0]
-        self.decode_host = decode_host
-        host = local_host or local_host_for(decode_host)
+        """`local_host`: where this engine listens; default: this host's address on the
+        route to `decode_address` (or to the bootstrap host, when rooms are registered)."""
+        route_to = decode_address or kw.get("bootstrap_host") or DEFAULT_DECODE_ADDRESS
+        host = local_host or local_host_for(_host_of(route_to))
         self.engine, self.session_id = start_engine(host)
         _register(self.engine, kv.storage)
         super().__init__(kv, page_size, decode_address, **kw)
 
-    def _attach(self, pool: dict) -> tuple[PoolLayout, tuple[str, int, PoolLayout]]:
+    def _attach(self, pool: dict, address: str) -> tuple[PoolLayout, tuple[str, int, PoolLayout]]:
         if pool.get("kind") != self.name:
             raise ValueError(f"decode pool is {pool.get('kind')!r}, this backend writes mooncake")
         layout = PoolLayout.from_dict(pool.get("layout"))
         session, base = pool.get("session_id"), pool.get("base")
         if not isinstance(session, str) or not isinstance(base, int) or base <= 0:
             raise ValueError(f"bad mooncake pool: session {quote(session)}, base {quote(base)}")
-        check_session(session, self.decode_host, self.session_id)
+        check_session(session, _host_of(address), self.session_id)
         return layout, (session, base, layout)
 
     def _write(self, remote, src_pages: torch.Tensor, dst_pages: torch.Tensor, planes=None):

@@ -97,7 +97,7 @@ class ShmTransfer(TransferBackend):
         self._stage = torch.empty(0, dtype=kv.dtype, device=kv.device)
         super().__init__(kv, page_size, decode_address, **kw)
 
-    def _attach(self, pool: dict) -> tuple[PoolLayout, torch.Tensor]:
+    def _attach(self, pool: dict, address: str) -> tuple[PoolLayout, torch.Tensor]:
         if pool.get("kind") != self.name:
             raise ValueError(f"decode pool is {pool.get('kind')!r}, this backend writes shm")
         layout = PoolLayout.from_dict(pool.get("layout"))

@@ -1,12 +1,19 @@
 """Prefill-side KV transfer: the backend's one background thread (senders: transfer_sender).
 
 The scheduler thread only enqueues (`create_sender`, `send`, `abort`) and reads sender
-states; the decode socket, bootstrap retries, page copies and acks live on the thread.
+states; the decode links, bootstrap retries, page copies and acks live on the thread.
 
-Whatever answers at the decode address is trusted with nothing: a reply it cannot use
-fails its room only, a pool it names is checked by `_attach`, and an ack counts only from
-the receiver's run (`instance`) that answered the room's bootstrap. The thread itself
-failing is fatal: `raise_if_dead` raises TransferDied in the scheduler's loop.
+Where a room's KV goes: with `decode_address` every room goes to that one receiver; without
+it the thread serves the bootstrap endpoint (bootstrap.py) and a room goes to the receiver
+that a decode server registered for it, the sender waiting in Bootstrapping (up to its
+bootstrap timeout) until one does. One link (a DEALER, `_Link`) per decode address, made
+on demand and closed once idle, so one prefill feeds any number of decode servers.
+
+Whatever answers on a link is trusted with nothing: a reply it cannot use fails its room
+only, a message about a room bound to another link is ignored, a pool it names is checked
+by `_attach`, and an ack counts only from the receiver's run (`instance`) that answered the
+room's bootstrap. The thread itself failing is fatal: `raise_if_dead` raises TransferDied
+in the scheduler's loop.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 import zmq
 
 from mpprefill.disagg import wire
+from mpprefill.disagg.bootstrap import DEFAULT_MAX_WAITING, BootstrapEndpoint
 from mpprefill.disagg.planes import pool_planes
 from mpprefill.disagg.sender import KVPoll, TransferDied
 from mpprefill.disagg.transfer_sender import (
@@ -36,12 +44,34 @@ from mpprefill.trace.tracer import clock_ns, get_tracer
 logger = logging.getLogger(__name__)
 
 DEFAULT_DECODE_ADDRESS = "127.0.0.1:30200"
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port
 _RETRY_S = 0.05  # after a bootstrap reply "unknown": the router has not registered yet
 _RESEND_S = 1.0  # a bootstrap that got no reply at all is sent again
+_LINK_IDLE_S = 30.0  # a link to a decode with no room in flight is closed after this
+
+
+class _Link:
+    """The DEALER to one decode receiver, and its liveness (transfer thread only)."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.address = address
+        self.rooms: set[int] = set()  # live senders bound to this link
+        self.last_heard = self.last_ping = self.idle_since = time.monotonic()
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+        self.sock.connect(f"tcp://{address}")
+
+    def post(self, msg: wire.Message) -> None:
+        try:
+            self.sock.send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.debug("decode socket %s full; dropped %s", self.address, type(msg).__name__)
 
 
 class TransferBackend:
-    """Owns the transfer thread and the DEALER socket to one decode receiver."""
+    """Owns the transfer thread, its links to decode receivers and, without a
+    `decode_address`, the bootstrap endpoint."""
 
     name = "base"
 
@@ -55,6 +85,9 @@ class TransferBackend:
         heartbeat_interval: float = 0.5,
         fence=None,
         transfer_timeout: float = math.inf,
+        bootstrap_host: str = "127.0.0.1",
+        bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
+        max_waiting_registrations: int = DEFAULT_MAX_WAITING,
     ) -> None:
         """`bootstrap_timeout`: how long each sender waits for the decode side's answer to
         its bootstrap and to its final send (TransferSender.poll); `transfer_timeout`: how
@@ -63,12 +96,15 @@ class TransferBackend:
         `kv_fence`, optional): `required(pages)` names the forward a send's pages need, on
         the scheduler thread; `wait(gen)` blocks the transfer thread until it completed, so
         no page is read while a forward still writes it (window pages: see
-        TransferSender._window)."""
+        TransferSender._window). Without `decode_address`, the bootstrap endpoint binds
+        `bootstrap_host:bootstrap_port` (0: any free port; `.bootstrap_port` says which);
+        registrations whose request has not come yet wait at most `bootstrap_timeout`, at
+        most `max_waiting_registrations` of them."""
         if page_size < 1 or kv.num_slots < page_size:
             raise ValueError(f"bad page size {page_size} for a pool of {kv.num_slots} slots")
         self.kv = kv
         self.page_size = page_size
-        self.decode_address = decode_address or DEFAULT_DECODE_ADDRESS
+        self.decode_address = decode_address and wire.check_address(decode_address)
         self.dead_timeout = dead_timeout
         self.heartbeat_interval = heartbeat_interval
         self.fence = fence
@@ -81,19 +117,39 @@ class TransferBackend:
         self.commands = CommandQueue(fence)
         self._live: dict[int, TransferSender] = {}  # transfer thread only, as are:
         self._next_try: dict[int, float] = {}  # room -> when to send its bootstrap again
-        self._last_heard = 0.0
-        self._last_ping = 0.0
+        self._links: dict[str, _Link] = {}  # by decode address
+        self._link_of: dict[int, _Link] = {}  # room -> the link its sender is bound to
+        self._registrant: dict[int, bytes] = {}  # room -> who registered it (endpoint)
         self._closed = False
         self.death: str | None = None  # why the thread failed
         self._ctx = zmq.Context()
+        self.endpoint = None
+        if self.decode_address is None:
+            try:
+                self.endpoint = BootstrapEndpoint(
+                    self._ctx,
+                    bootstrap_host,
+                    bootstrap_port,
+                    bootstrap_timeout,
+                    max_waiting_registrations,
+                )
+            except zmq.ZMQError:
+                self._ctx.term()
+                raise
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.name}", daemon=True)
         self._thread.start()
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        """Where the bootstrap endpoint listens (None: rooms go to `decode_address`)."""
+        return None if self.endpoint is None else self.endpoint.port
 
     # ---- scheduler thread -------------------------------------------------------------
 
     def create_sender(self, req) -> TransferSender:
         room = getattr(req, "bootstrap_room", None)
         sender = TransferSender(str(req.rid), room, self.commands, self.limits)
+        sender.registered = self.endpoint is None
         if room is None:
             sender.fail("the request has no bootstrap_room")
         elif self.death is not None or self._closed or not self._thread.is_alive():
@@ -122,8 +178,9 @@ class TransferBackend:
 
     # ---- subclass hooks (transfer thread) -----------------------------------------------
 
-    def _attach(self, pool: dict) -> tuple[wire.PoolLayout, object]:
-        """Open the decode pool described by `pool`: its layout and a write target.
+    def _attach(self, pool: dict, address: str) -> tuple[wire.PoolLayout, object]:
+        """Open the decode pool described by `pool`, which the receiver at `address` named:
+        its layout and a write target.
 
         NOTE: a sender keeps the target it bootstrapped with, so after a decode restart
         its pages never land in the new decode's pool.
@@ -143,8 +200,10 @@ class TransferBackend:
     def _run(self) -> None:
         self._poller = zmq.Poller()
         self._poller.register(self.commands.wake_fd, zmq.POLLIN)
-        self._sock = None
-        self._connect()
+        if self.endpoint is not None:
+            self._poller.register(self.endpoint.sock, zmq.POLLIN)
+        else:
+            self._link(self.decode_address)
         try:
             while True:
                 events = dict(self._poller.poll(20 if self._live else 200))
@@ -152,7 +211,11 @@ class TransferBackend:
                     self.commands.clear_wake()
                 if not self._run_commands():
                     break
-                self._read_socket()
+                for link in list(self._links.values()):
+                    if link.sock in events:
+                        self._read_link(link)
+                if self.endpoint is not None and self.endpoint.sock in events:
+                    self._read_endpoint()
                 self._tick(time.monotonic())
         except Exception as e:
             self.death = wire.brief(f"the KV transfer thread failed: {type(e).__name__}: {e}")
@@ -160,20 +223,37 @@ class TransferBackend:
         finally:
             self._shutdown()
 
-    def _connect(self) -> None:
-        """A fresh DEALER to the decode address, in place of the last one.
+    def _link(self, address: str) -> _Link:
+        """The link to the receiver at `address`, made on first use."""
+        link = self._links.get(address)
+        if link is None:
+            link = self._links[address] = _Link(self._ctx, address)
+            self._poller.register(link.sock, zmq.POLLIN)
+        return link
+
+    def _unlink(self, link: _Link) -> None:
+        self._poller.unregister(link.sock)
+        link.sock.close(linger=0)
+        del self._links[link.address]
+
+    def _reconnect(self, link: _Link) -> _Link:
+        """A fresh DEALER to the same address, in place of `link` (which has no rooms).
 
         NOTE: ZeroMQ closes a link that brings a frame over MAXMSGSIZE and never
         reconnects it; `_tick` replaces a link that stays silent instead.
         """
-        if self._sock is not None:
-            self._poller.unregister(self._sock)
-            self._sock.close(linger=0)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
-        self._sock.connect(f"tcp://{self.decode_address}")
-        self._poller.register(self._sock, zmq.POLLIN)
+        self._unlink(link)
+        return self._link(link.address)
+
+    def _bind(self, s: TransferSender, address: str) -> None:
+        """Send room `s.room`'s KV to the receiver at `address` from now on."""
+        link = self._link(address)
+        if not link.rooms:
+            link.last_heard = time.monotonic()  # silence while idle does not count
+        link.rooms.add(s.room)
+        self._link_of[s.room] = link
+        s.registered = True
+        self._next_try[s.room] = 0.0  # at once
 
     def _run_commands(self) -> bool:
         while True:
@@ -188,8 +268,10 @@ class TransferBackend:
             elif cmd.kind == "send":
                 self._send_pages(cmd, after)
             elif self._live.get(cmd.sender.room) is cmd.sender:
+                link = self._link_of.get(cmd.sender.room)
                 self._drop(cmd.sender)
-                self._post(wire.Abort(cmd.sender.room))
+                if link is not None:
+                    link.post(wire.Abort(cmd.sender.room))
             else:
                 cmd.sender.let_go()
 
@@ -198,17 +280,58 @@ class TransferBackend:
             s.fail(f"bootstrap room {s.room} is already in use")
             s.let_go()
             return
-        if not self._live:
-            self._last_heard = time.monotonic()  # silence while idle does not count
         self._live[s.room] = s
-        self._next_try[s.room] = 0.0  # at once
+        if self.endpoint is None:
+            self._bind(s, self.decode_address)
+            return
+        reg = self.endpoint.take(s.room)
+        if reg is not None:
+            self._registrant[s.room] = reg.ident
+            self._bind(s, reg.address)
 
     def _drop(self, s: TransferSender) -> None:
         """The thread lets go of `s`: none of its pages is read after this."""
         if self._live.get(s.room) is s:
             del self._live[s.room]
             self._next_try.pop(s.room, None)
+            self._registrant.pop(s.room, None)
+            link = self._link_of.pop(s.room, None)
+            if link is not None:
+                link.rooms.discard(s.room)
+                link.idle_since = time.monotonic()
         s.let_go()
+
+    def _read_endpoint(self) -> None:
+        """Registrations and withdrawals from decode servers (bootstrap.py)."""
+        for ident, msg in self.endpoint.read():
+            if isinstance(msg, wire.Abort):
+                self._withdraw(ident, msg.room)
+            else:
+                self._register(ident, msg)
+
+    def _register(self, ident: bytes, msg: wire.RegisterRoom) -> None:
+        s = self._live.get(msg.room)
+        link = self._link_of.get(msg.room)
+        if s is None:
+            why = self.endpoint.hold(ident, msg)
+        elif link is None:
+            self._registrant[msg.room] = ident
+            self._bind(s, msg.address)
+            why = None
+        else:
+            why = None if link.address == msg.address else f"room {msg.room} is bound elsewhere"
+        if why is None:
+            self.endpoint.accept(ident, msg.room)
+        else:
+            self.endpoint.refuse(ident, msg.room, why)
+
+    def _withdraw(self, ident: bytes, room: int) -> None:
+        """The registrant gave the room up (its request ended on the decode side)."""
+        s = self._live.get(room)
+        if s is not None and self._registrant.get(room) == ident:
+            self._fail(s, "the decode side withdrew the room")
+        elif not self.endpoint.withdraw(ident, room):
+            self.endpoint.refuse(ident, room, f"room {room} is not registered by this peer")
 
     def _send_pages(self, cmd: TransferCmd, after: int = 0) -> None:
         s = cmd.sender
@@ -236,32 +359,37 @@ class TransferBackend:
         s.wrote(len(cmd.src))
         if cmd.last:
             s.awaiting_ack = True
-            self._post(wire.TransferDone(s.room, int(cmd.first_token), s.pages_sent, s.instance))
+            done = wire.TransferDone(s.room, int(cmd.first_token), s.pages_sent, s.instance)
+            self._link_of[s.room].post(done)
 
-    def _read_socket(self) -> None:
+    def _read_link(self, link: _Link) -> None:
         while True:
             try:
-                frame = self._sock.recv(zmq.NOBLOCK)
+                frame = link.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._last_heard = time.monotonic()
+            link.last_heard = time.monotonic()
             try:
                 msg = wire.decode(frame)
             except wire.WireError as e:
-                logger.warning("bad frame from the decode side: %s", e)
-                if e.room in self._live:
-                    self._fail(self._live[e.room], f"bad frame from the decode side: {e}")
+                logger.warning("bad frame from the decode at %s: %s", link.address, e)
+                s = self._live.get(e.room)
+                if s is not None and self._link_of.get(e.room) is link:
+                    self._fail(s, f"bad frame from the decode side: {e}")
                 continue
-            s = self._live.get(getattr(msg, "room", None))
+            room = getattr(msg, "room", None)
+            s = self._live.get(room)
+            if s is not None and self._link_of.get(room) is not link:
+                s = None  # another decode's room: not this peer's to answer for
             try:
-                self._on_message(s, msg)
+                self._on_message(link, s, msg)
             except Exception as e:  # a peer's message fails its room, never this thread
                 why = wire.brief(f"{type(e).__name__}: {e}")
                 logger.warning("unusable %s from the decode side: %s", type(msg).__name__, why)
                 if s is not None:
                     self._fail(s, f"unusable {type(msg).__name__}: {why}")
 
-    def _on_message(self, s: TransferSender | None, msg: wire.Message) -> None:
+    def _on_message(self, link: _Link, s: TransferSender | None, msg: wire.Message) -> None:
         if isinstance(msg, wire.BootstrapReply) and s is not None:
             self._on_bootstrap_reply(s, msg)
         elif isinstance(msg, wire.Ack) and s is not None:
@@ -270,7 +398,7 @@ class TransferBackend:
             if s is not None:
                 self._drop(s)
                 s.fail("aborted by the decode side")
-            self._post(wire.Abort(msg.room))  # confirms: nothing more is written for the room
+            link.post(wire.Abort(msg.room))  # confirms: nothing more is written for the room
         elif isinstance(msg, wire.ErrorReply) and s is not None:
             self._fail(s, f"decode side error: {wire.brief(msg.error)}")
         elif isinstance(msg, wire.ErrorReply) and msg.room is None:
@@ -296,19 +424,19 @@ class TransferBackend:
             self._fail(s, f"bootstrap refused: {wire.brief(msg.error or '')}")
         elif s.state == KVPoll.Bootstrapping:
             try:
-                target, dst = self._check_reply(msg)
+                target, dst = self._check_reply(msg, self._link_of[s.room].address)
             except Exception as e:  # whatever the peer sent, only this room fails
                 self._fail(s, f"unusable bootstrap reply: {type(e).__name__}: {e}")
                 return
             prefix = msg.decode_prefix_len
             s.ready(target, dst, prefix, prefix // self.page_size, msg.instance)
 
-    def _check_reply(self, msg: wire.BootstrapReply) -> tuple[object, torch.Tensor]:
+    def _check_reply(self, msg: wire.BootstrapReply, address: str) -> tuple[object, torch.Tensor]:
         if msg.pool is None:
             raise ValueError("no pool in the reply")
         if not msg.instance:
             raise ValueError("no decode instance in the reply")
-        remote, target = self._attach(msg.pool)
+        remote, target = self._attach(msg.pool, address)
         why = self.layout.mismatch(remote)
         if why:
             raise ValueError(why)
@@ -320,19 +448,27 @@ class TransferBackend:
         return target, dst
 
     def _tick(self, now: float) -> None:
-        if not self._live:
-            return
-        if now - self._last_heard > self.dead_timeout:
-            silent = now - self._last_heard
-            for s in list(self._live.values()):
-                self._fail(s, f"decode at {self.decode_address} silent for {silent:.1f} s")
-            self._connect()
-            return
-        if now - self._last_ping >= self.heartbeat_interval:
-            self._post(wire.Ping())
-            self._last_ping = now
+        if self.endpoint is not None:
+            self.endpoint.expire(now)
+        for link in list(self._links.values()):
+            self._tend(link, now)
         self._expire(now)
         self._ask_again(now)
+
+    def _tend(self, link: _Link, now: float) -> None:
+        """Ping a busy link, replace one silent past the dead timeout, close an idle one."""
+        if not link.rooms:
+            if link.address != self.decode_address and now - link.idle_since > _LINK_IDLE_S:
+                self._unlink(link)
+            return
+        if now - link.last_heard > self.dead_timeout:
+            silent = now - link.last_heard
+            for room in list(link.rooms):
+                self._fail(self._live[room], f"decode at {link.address} silent for {silent:.1f} s")
+            self._reconnect(link)
+        elif now - link.last_ping >= self.heartbeat_interval:
+            link.post(wire.Ping())
+            link.last_ping = now
 
     def _expire(self, now: float) -> None:
         """Fail senders Transferring past their deadline, whatever the decode side says."""
@@ -343,24 +479,19 @@ class TransferBackend:
     def _ask_again(self, now: float) -> None:
         """Bootstrap rooms without an answer again: the router may not have registered them
         yet, or the reply was lost. How long a sender waits is its own deadline."""
-        for room, s in self._live.items():
-            if s.state == KVPoll.Bootstrapping and now >= self._next_try[room]:
-                self._post(wire.Bootstrap(room))
+        for room, link in self._link_of.items():
+            if self._live[room].state == KVPoll.Bootstrapping and now >= self._next_try[room]:
+                link.post(wire.Bootstrap(room))
                 self._next_try[room] = now + _RESEND_S
 
     def _fail(self, s: TransferSender, reason: str) -> None:
         """Fail a sender from the thread and tell the decode side to free its room (once:
         a sender leaves `_live` only here, on an answer, or with its abort posted)."""
         was_live = self._live.get(s.room) is s
+        link = self._link_of.get(s.room) if was_live else None
         self._drop(s)
-        if s.fail(reason) or was_live:
-            self._post(wire.Abort(s.room))
-
-    def _post(self, msg: wire.Message) -> None:
-        try:
-            self._sock.send(wire.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            logger.debug("decode socket full; dropped %s", type(msg).__name__)
+        if (s.fail(reason) or was_live) and link is not None:
+            link.post(wire.Abort(s.room))
 
     def _shutdown(self) -> None:
         why = self.death or "the transfer backend is closed"
@@ -374,5 +505,8 @@ class TransferBackend:
             if cmd is not None:
                 cmd.sender.fail(why)
                 cmd.sender.let_go()
-        self._sock.close(linger=200)
+        for link in self._links.values():
+            link.sock.close(linger=200)
+        if self.endpoint is not None:
+            self.endpoint.close()
         self._release()

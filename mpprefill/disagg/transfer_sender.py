@@ -106,6 +106,7 @@ class TransferSender(KVSender):
         self.target = None  # the decode pool those pages are in, as the backend opened it
         self.decode_prefix_len = 0
         self.instance = ""  # the decode receiver's run that answered the bootstrap
+        self.registered = True  # False while no decode has registered the room (bootstrap.py)
         self.transfer_by = math.inf  # the backend's deadline for the ack
         self.pages_sent = 0  # pages written so far (transfer thread)
         self.awaiting_ack = False  # its transfer_done went out (transfer thread)
@@ -126,6 +127,8 @@ class TransferSender(KVSender):
 
     def _overdue_reason(self) -> str:
         timeout = self._limits.answer_timeout
+        if self.state == KVPoll.Bootstrapping and not self.registered:
+            return f"no decode registered room {self.room} within {timeout:.1f} s"
         if self.state == KVPoll.Bootstrapping:
             return f"bootstrap timed out after {timeout:.1f} s"
         return f"no answer from the decode side within {timeout:.1f}s"

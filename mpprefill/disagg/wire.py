@@ -16,6 +16,10 @@ carries a "type"; the router reply has the shape of the server's reply to its cl
   either way              abort             room
   prefill -> decode       ping              (decode answers pong)
   decode -> anyone        error             error, room (a frame it could not use)
+  decode -> prefill's     register_room     room, address (the decode's receiver socket)
+    bootstrap endpoint
+  endpoint -> decode      room_reply        room, ok, error
+  decode -> endpoint      abort             room (withdraws its registration)
 
 NOTE: dst_pages lists every receive page of the room, prompt order. The first
 decode_prefix_len // page_size of them already hold KV; the k-th page the prefill side
@@ -24,6 +28,10 @@ sends goes to dst_pages[decode_prefix_len // page_size + k].
 NOTE: `instance` names one run of a decode receiver. The prefill sends back the instance
 that answered a room's bootstrap and accepts only that instance's ack, so a receiver that
 restarted on the same port never acknowledges pages that went to its predecessor.
+
+The bootstrap endpoint (prefill side, `--disaggregation-bootstrap-port`) takes only
+register_room and abort, in frames of at most MAX_REGISTRATION_BYTES; an address is
+`host:port` (ADDRESS_RE).
 
 Bounds: a frame is at most MAX_FRAME_BYTES (both sockets of the link set it as their
 ZeroMQ MAXMSGSIZE), an integer fits int64, a string MAX_STR characters, and an error
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +50,11 @@ from typing import Any
 MAX_FRAME_BYTES = 16 << 20  # a register frame of a prompt of ~2M tokens
 MAX_INT = 2**63 - 1  # room, page and token numbers are int64 on both sides
 MAX_STR = 4096  # rid, error, instance, dtype
+MAX_REGISTRATION_BYTES = 1024  # a register_room frame (the bootstrap endpoint's MAXMSGSIZE)
+# host:port; the host a name, an IPv4 address or a bracketed IPv6 address
+ADDRESS_RE = re.compile(
+    r"(?P<host>[A-Za-z0-9._-]{1,255}|\[[0-9A-Fa-f:.]{2,45}\]):(?P<port>\d{1,5})"
+)
 QUOTE_CHARS = 80
 
 
@@ -160,6 +174,19 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class RegisterRoom:
+    room: int
+    address: str  # host:port of the decode receiver that the room's KV goes to
+
+
+@dataclass(frozen=True, slots=True)
+class RoomReply:
+    room: int
+    ok: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     pass
 
@@ -183,6 +210,8 @@ Message = (
     | TransferDone
     | Ack
     | Abort
+    | RegisterRoom
+    | RoomReply
     | Ping
     | Pong
     | ErrorReply
@@ -207,6 +236,19 @@ def _ints(v: Any, name: str) -> list[int]:
     if not isinstance(v, list):
         raise WireError(f"{name} must be a list of integers")
     return [_int(x, name) for x in v]
+
+
+def _address(v: Any, name: str) -> str:
+    """`host:port`, port in [1, 65535]."""
+    m = ADDRESS_RE.fullmatch(v) if isinstance(v, str) else None
+    if m is None or not 0 < int(m["port"]) < 65536:
+        raise WireError(f"{name} must be host:port, got {quote(v)}")
+    return v
+
+
+def check_address(address: str) -> str:
+    """`address` if it is host:port (a flag's or a peer's value); ValueError otherwise."""
+    return _address(address, "address")
 
 
 def _tokens(v: Any, name: str) -> list[int]:
@@ -264,6 +306,8 @@ _S = {
     ),
     "ack": (Ack, {"room": _int, "ok": _bool, "error": _optional(_str), "instance": _str}),
     "abort": (Abort, {"room": _int}),
+    "register_room": (RegisterRoom, {"room": _int, "address": _address}),
+    "room_reply": (RoomReply, {"room": _int, "ok": _bool, "error": _optional(_str)}),
     "ping": (Ping, {}),
     "pong": (Pong, {}),
     "error": (ErrorReply, {"error": _str, "room": _optional(_int)}),

@@ -275,6 +275,8 @@ def _make_transfer(args: ServerArgs, worker):
         bootstrap_timeout=args.bootstrap_timeout,
         transfer_timeout=args.transfer_timeout,
         fence=worker.kv_fence,
+        bootstrap_host=args.host,
+        bootstrap_port=args.disaggregation_bootstrap_port,
     )
 
 

@@ -27,7 +27,8 @@ def restart_decode(port: int, flags: list[str], log_dir: str, timeout: float = 1
     """A decode receiver on `port`: serve was started with that address and keeps it
     (`procs.start_decode` always takes a fresh port)."""
     log_path = os.path.join(log_dir, f"decode-{port}-{int(time.time() * 1000)}.log")
-    cmd = [sys.executable, "-m", "mpprefill", "decode", *flags, "--port", str(port)]
+    cmd = [sys.executable, "-m", "mpprefill", "decode", *flags, "--receiver-port", str(port)]
+    cmd += ["--zmq-port", "0"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     child = Child("decode", proc, port, log_path)

@@ -27,14 +27,24 @@ PROMPT_LENS = (33, 16, 47, 5)
 
 
 class DecodeProc:
-    """`python -m mpprefill.disagg.decode` in a subprocess, ready once it answers a ping."""
+    """`python -m mpprefill.disagg.decode` in a subprocess, ready once it answers a ping.
+    `port`: its receiver socket; `zmq_port` its request socket; `http_port` (optional) its
+    HTTP front."""
 
     def __init__(
-        self, *flags: str, max_total_tokens: int = 4096, backend: str = "shm", port: int = 0
+        self,
+        *flags: str,
+        max_total_tokens: int = 4096,
+        backend: str = "shm",
+        port: int = 0,
+        http_port: int = 0,
     ):
         self.port = port or free_port()
+        self.zmq_port = free_port()
+        self.http_port = http_port
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        cmd = [sys.executable, "-m", "mpprefill.disagg.decode", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "mpprefill.disagg.decode", "--receiver-port", str(self.port)]
+        cmd += ["--zmq-port", str(self.zmq_port), "--port", str(http_port)]
         cmd += ["--page-size", str(PAGE), "--max-total-tokens", str(max_total_tokens)]
         cmd += ["--disaggregation-transfer-backend", backend, "--log-level", "warning", *flags]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture
 def receiver():
-    rx = DecodeReceiver(DecodeArgs(port=0, max_total_tokens=2 * PAGE, register_timeout=0.5))
+    rx = DecodeReceiver(
+        DecodeArgs(receiver_port=0, max_total_tokens=2 * PAGE, register_timeout=0.5)
+    )
     segment = rx.pool.shared.handle.name
     with serving(rx):
         yield rx
@@ -102,7 +104,7 @@ def test_router_abort_waits_for_the_prefill_to_stop(receiver, router, prefill):
 
 
 def test_close_answers_live_rooms():
-    rx = DecodeReceiver(DecodeArgs(port=0, max_total_tokens=2 * PAGE))
+    rx = DecodeReceiver(DecodeArgs(receiver_port=0, max_total_tokens=2 * PAGE))
     with Router(rx.address) as r:
         r.register("live", 1, [1, 2])
         rx.step(1000)
@@ -111,7 +113,7 @@ def test_close_answers_live_rooms():
 
 
 def test_a_test_delay_holds_only_the_rooms_it_names():
-    rx = DecodeReceiver(DecodeArgs(port=0), delay=TransferDelay(ms=300, every=2))
+    rx = DecodeReceiver(DecodeArgs(receiver_port=0), delay=TransferDelay(ms=300, every=2))
     with serving(rx), Router(rx.address) as router, Router(rx.address) as prefill:
         for room in (10, 11):
             router.register(f"d{room}", room, [1] * PAGE)

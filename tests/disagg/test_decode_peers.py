@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _receiver(**kw) -> DecodeReceiver:
-    return DecodeReceiver(DecodeArgs(port=0, max_total_tokens=2 * PAGE, **kw))
+    return DecodeReceiver(DecodeArgs(receiver_port=0, max_total_tokens=2 * PAGE, **kw))
 
 
 def _bootstrap(prefill: Router, room: int) -> dict:

@@ -40,7 +40,7 @@ def receiver(request):
     if backend == "mooncake":
         skip_without_mooncake()
     args = DecodeArgs(
-        port=0,
+        receiver_port=0,
         page_size=PAGE,
         max_total_tokens=4096,
         verify=True,

@@ -57,7 +57,7 @@ def _run_until(s: Scheduler, done, timeout: float = 20.0) -> None:
 
 
 def test_an_abort_while_pages_are_copied_releases_after_the_copy_and_replies_after():
-    rx = DecodeReceiver(DecodeArgs(port=0, max_total_tokens=1024))
+    rx = DecodeReceiver(DecodeArgs(receiver_port=0, max_total_tokens=1024))
     fence = GateFence()
     args = _args(rx.address)
     worker, config = make_worker(args, "normal")
@@ -96,7 +96,7 @@ class DyingTransfer(ShmTransfer):
 
 
 def test_a_dead_transfer_thread_stops_the_scheduler():
-    rx = DecodeReceiver(DecodeArgs(port=0, max_total_tokens=1024))
+    rx = DecodeReceiver(DecodeArgs(receiver_port=0, max_total_tokens=1024))
     args = _args(rx.address)
     worker, config = make_worker(args, "normal")
     transfer = DyingTransfer(worker.kv_cache, PAGE, rx.address)

@@ -1,5 +1,9 @@
-"""The decode receiver's settings: one frozen dataclass whose fields are the flags of
-`mpprefill decode` (mpprefill.flags)."""
+"""The decode server's settings: one frozen dataclass whose fields are the flags of
+`mpprefill decode` (mpprefill.flags).
+
+Its sockets: `--receiver-port` the receiver (prefill transfer backends, a registering
+router), `--zmq-port` the request protocol (server/protocol.py) for clients and the HTTP
+front, `--port` the HTTP front (SGLang's meaning; 0: none)."""
 
 from __future__ import annotations
 
@@ -19,11 +23,26 @@ def _server(name: str):
 
 @dataclass(frozen=True)
 class DecodeArgs:
-    host: str = _f("127.0.0.1", "address the decode socket binds to")
-    port: int = _f(30200, "decode socket port (0: any free port)")
+    host: str = _f("127.0.0.1", "address the sockets (and the HTTP front) bind to")
+    port: int = _f(
+        0, "HTTP port: start the HTTP front (python -m mpprefill.http) on it (0: no front)"
+    )
+    receiver_port: int = _f(
+        30200,
+        "port of the receiver socket, where prefill transfer backends (and a registering"
+        " router) talk to this decode (0: any free port)",
+    )
+    zmq_port: int = _f(
+        30201, "port of the request socket (generate, abort, stats; 0: any free port)"
+    )
     page_size: int = _f(16, "tokens per receive page")
     max_total_tokens: int = _f(16384, "receive pool capacity in tokens")
-    model_path: str | None = _f(None, "model dir (its dims size the pool; --verify runs it)")
+    model_path: str | None = _f(
+        None, "model dir (its dims size the pool; it generates; --verify runs it)"
+    )
+    tokenizer_path: str | None = _f(None, "the HTTP front's tokenizer dir (default: the model's)")
+    skip_tokenizer_init: bool = _f(False, "the HTTP front takes and gives token ids only")
+    max_running_requests: int = _f(64, "sequences in one decode step; more wait their turn")
     random_seed: int = _f(0, "seed of the built-in model's weights")
     verify: bool = _f(False, "recompute each prompt's KV and compare it to what arrived")
     sliding_window: int | None = _server("sliding_window")
@@ -54,6 +73,11 @@ class DecodeArgs:
             raise ValueError("--register-timeout and --waiting-timeout must be positive")
         if self.max_queued_registrations < 0:
             raise ValueError("--max-queued-registrations must not be negative")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be positive")
+        for name in ("port", "receiver_port", "zmq_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535]")
         if self.verify and self.emulate_model is not None:
             raise ValueError("--verify cannot check KV from an emulated device (not the model's)")
         self.transfer_delay  # noqa: B018 - validates the test delay

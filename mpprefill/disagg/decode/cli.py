@@ -1,4 +1,4 @@
-"""`mpprefill decode`: the receiver's flags, and serving until SIGINT/SIGTERM."""
+"""`mpprefill decode`: the decode server's flags, and serving until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import signal
 import threading
 
 import ipc
-from mpprefill.disagg.decode import receiver
+from mpprefill.disagg.decode import server
 from mpprefill.disagg.decode.args import DecodeArgs
 from mpprefill.flags import add_flags, from_namespace
 
@@ -20,21 +20,21 @@ def add_decode_args(ap: argparse.ArgumentParser) -> None:
 def run_decode(ns: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM, then clean up."""
     args = from_namespace(DecodeArgs, ns)
-    rx = receiver.DecodeReceiver(args, delay=args.transfer_delay)
+    srv = server.DecodeServer(args)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: rx.stop())
+            signal.signal(sig, lambda *_: srv.stop())
         ipc.install_signal_cleanup()
     try:
-        rx.serve_forever()
+        srv.serve_forever()
     finally:
-        rx.close()
+        srv.close()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mpprefill.disagg.decode`: the same command without the `mpprefill` CLI."""
-    ap = argparse.ArgumentParser(prog="mpprefill-decode", description=receiver.__doc__)
+    ap = argparse.ArgumentParser(prog="mpprefill-decode", description=server.__doc__)
     add_decode_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(

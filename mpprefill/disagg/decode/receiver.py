@@ -1,8 +1,13 @@
 """The decode receiver: receive pages per bootstrap room, answer the router, verify on demand.
 
-One ROUTER socket serves the router (register, abort) and the prefill transfer backends
-(bootstrap, transfer_done, abort, ping). A room's pages are freed once the router has
-its answer. Verification runs on a helper thread so the loop keeps answering pings.
+One ROUTER socket (`--receiver-port`) serves a registering router (register, abort) and the
+prefill transfer backends (bootstrap, transfer_done, abort, ping). A room's pages are freed
+once the router has its answer. Verification runs on a helper thread so the loop keeps
+answering pings.
+
+A room may also belong to the decode server in this process (`add_request`, server.py):
+such a room has no router; its ending goes to `failed`, and a room whose KV arrived goes
+to `arrived` with its pages, which are then the server's.
 
 A room belongs to the connection that registered it (the router) and to the first prefill
 that bootstraps it (`Room.peer`): a bootstrap, transfer_done or abort from anyone else is
@@ -50,6 +55,7 @@ class Room:
     deadline: float = 0.0  # the router gets an error if the KV is not in by then
     peer: bytes | None = None  # the prefill backend that bootstrapped it
     verifying: bool = False
+    client: bool = False  # the decode server's request, not a router's
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +65,7 @@ class Pending:
     reg: wire.Register
     router: bytes
     deadline: float
+    client: bool = False
 
 
 def pool_model_config(args: DecodeArgs) -> ModelConfig:
@@ -72,8 +79,9 @@ def pool_model_config(args: DecodeArgs) -> ModelConfig:
 
 
 class DecodeReceiver:
-    def __init__(self, args: DecodeArgs, delay: TransferDelay | None = None) -> None:
-        """`delay` (test only): hold finished rooms' answers a while (decode/delay.py)."""
+    def __init__(self, args: DecodeArgs, delay: TransferDelay | None = None, model=None) -> None:
+        """`delay` (test only): hold finished rooms' answers a while (decode/delay.py);
+        `model`: the decode server's, which --verify then shares."""
         self.args = args
         self.delay = delay or TransferDelay()
         config = pool_model_config(args)
@@ -83,7 +91,8 @@ class DecodeReceiver:
         self.layout = wire.PoolLayout(
             dtype_name, layers, num_pages * args.page_size, heads, dim, args.page_size
         )
-        self.verifier = KVVerifier(args) if args.verify else None  # first: bad flags leak no pool
+        # first: bad flags leak no pool
+        self.verifier = KVVerifier(args, model) if args.verify else None
         backend = args.disaggregation_transfer_backend
         self.pool = make_decode_pool(backend, self.layout, config.torch_dtype, args.host)
         self._pool_desc = self.pool.describe()
@@ -96,13 +105,17 @@ class DecodeReceiver:
         self.draining: dict[int, tuple[torch.Tensor, float, bytes]] = {}  # pages, until, peer
         self._checks: list[tuple[Room, int, Future]] = []
         self._held: deque[tuple[float, Room, wire.RouterReply]] = deque()  # due, room, answer
+        # The decode server's rooms that ended: (room, first token) with the KV in, its
+        # pages handed over; (rid, room, error) otherwise. The server empties both.
+        self.arrived: list[tuple[Room, int]] = []
+        self.failed: list[tuple[str, int, str]] = []
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 200)
         self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
         try:
-            self.port = self._bind(f"tcp://{args.host}", args.port)
+            self.port = self._bind(f"tcp://{args.host}", args.receiver_port)
         except zmq.ZMQError:
             self.sock.close()
             self.pool.close()
@@ -121,23 +134,74 @@ class DecodeReceiver:
     def address(self) -> str:
         return f"{self.args.host}:{self.port}"
 
+    @property
+    def busy(self) -> bool:
+        """Checks or held answers are due soon: poll briefly."""
+        return bool(self._checks or self._held)
+
     # ---- loop ----------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
         while not self._stop.is_set():
-            self.step(10 if self._checks or self._held else 100)
+            self.step(10 if self.busy else 100)
 
     def step(self, timeout_ms: int) -> None:
         if self.sock.poll(timeout_ms):
-            for _ in range(256):
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._on_frames(frames)
+            self.read()
+        self.tick()
+
+    def read(self) -> None:
+        """Handle the frames waiting on the socket (up to 256)."""
+        for _ in range(256):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._on_frames(frames)
+
+    def tick(self) -> None:
+        """Finished checks, held answers that are due, deadlines."""
         self._collect_checks()
         self._release_held(now := time.monotonic())
         self._expire(now)
+
+    # ---- the decode server's rooms -------------------------------------------------------
+
+    def add_request(self, rid: str, room: int, input_ids: list[int]) -> str | None:
+        """Wait for room `room`'s KV on behalf of the decode server; why not (None: added)."""
+        if room in self.rooms or room in self.draining or room in self.pending:
+            return f"room {room} is in use"
+        error = self._refusal(len(input_ids))
+        if error is not None:
+            return error
+        reg = wire.Register(rid, room, input_ids)
+        deadline = time.monotonic() + self.args.register_timeout
+        self.pending[room] = Pending(reg, b"", deadline, client=True)
+        self.admit_pending()
+        return None
+
+    def end_request(self, room: int, error: str) -> bool:
+        """End a room of the decode server before its KV arrived (it reaches `failed`);
+        a prefill already sending is told to stop. False if the room is not waiting."""
+        r = self.rooms.get(room)
+        if r is not None and r.client:
+            self._finish(r, wire.RouterReply(r.rid, "error", error=error), drain=self._sending(r))
+            return True
+        p = self.pending.get(room)
+        if p is not None and p.client:
+            del self.pending[room]
+            self.failed.append((p.reg.rid, room, error))
+            return True
+        return False
+
+    def stats(self) -> dict:
+        return {
+            "rooms": len(self.rooms),
+            "pending": len(self.pending),
+            "draining": len(self.draining),
+            "free_pages": self.allocator.num_free_pages,
+            "num_pages": self.allocator.num_pages,
+        }
 
     def stop(self) -> None:
         """Ask `serve_forever` to return (safe from a signal handler)."""
@@ -147,11 +211,15 @@ class DecodeReceiver:
         if self.verifier is not None:
             self.verifier.close()
         for room in list(self.rooms.values()):
-            self._send(room.router, wire.RouterReply(room.rid, "error", error="decode shut down"))
+            if not room.client:  # the server answers its own requests
+                reply = wire.RouterReply(room.rid, "error", error="decode shut down")
+                self._send(room.router, reply)
             if room.peer is not None:
                 self._send(room.peer, wire.Abort(room.room))
         for p in self.pending.values():
-            self._send(p.router, wire.RouterReply(p.reg.rid, "error", error="decode shut down"))
+            if not p.client:
+                reply = wire.RouterReply(p.reg.rid, "error", error="decode shut down")
+                self._send(p.router, reply)
         self.sock.close()
         self._ctx.term()
         self.pool.close()
@@ -182,19 +250,23 @@ class DecodeReceiver:
         if r in self.rooms or r in self.draining or r in self.pending:
             self._send(ident, wire.RouterReply(msg.rid, "error", error=f"room {r} is in use"))
             return
-        need = cdiv(len(msg.input_ids), self.args.page_size)
-        error = None
-        if need > self.allocator.num_pages:
-            error = f"prompt needs {need} pages, the pool has {self.allocator.num_pages}"
-        elif len(self.pending) >= self.args.max_queued_registrations:
-            error = f"{len(self.pending)} registrations already wait for pages"
+        error = self._refusal(len(msg.input_ids))
         if error is not None:
             self._send(ident, wire.RouterReply(msg.rid, "error", error=error))
             return
         self.pending[r] = Pending(msg, ident, time.monotonic() + self.args.register_timeout)
-        self._admit_pending()
+        self.admit_pending()
 
-    def _admit_pending(self) -> None:
+    def _refusal(self, prompt_len: int) -> str | None:
+        need = cdiv(prompt_len, self.args.page_size)
+        if need > self.allocator.num_pages:
+            return f"prompt needs {need} pages, the pool has {self.allocator.num_pages}"
+        if len(self.pending) >= self.args.max_queued_registrations:
+            return f"{len(self.pending)} registrations already wait for pages"
+        return None
+
+    def admit_pending(self) -> None:
+        """Give waiting registrations their pages, in order, while pages are free."""
         while self.pending:
             r, p = next(iter(self.pending.items()))
             pages = self.allocator.alloc_pages(cdiv(len(p.reg.input_ids), self.args.page_size))
@@ -203,7 +275,7 @@ class DecodeReceiver:
             del self.pending[r]
             if self.verifier is not None:
                 self.verifier.poison(self.pool.kv, self.allocator.slots_of(pages))
-            room = Room(p.reg.rid, r, p.router, p.reg.input_ids, pages)
+            room = Room(p.reg.rid, r, p.router, p.reg.input_ids, pages, client=p.client)
             room.deadline = time.monotonic() + self.args.waiting_timeout
             self.rooms[r] = room
 
@@ -249,12 +321,13 @@ class DecodeReceiver:
         room = self.rooms.get(r)
         if r in self.draining and self.draining[r][2] == ident:
             self.allocator.free(self.draining.pop(r)[0] * self.args.page_size)
-            self._admit_pending()
+            self.admit_pending()
         elif room is not None and ident in (room.router, room.peer):
             by_router = ident == room.router and room.peer not in (None, ident)
-            reply = wire.RouterReply(room.rid, "error", error="aborted")
+            why = "the prefill aborted the transfer" if room.client else "aborted"
+            reply = wire.RouterReply(room.rid, "error", error=why)
             self._finish(room, reply, drain=by_router)
-        elif r in self.pending and self.pending[r].router == ident:
+        elif r in self.pending and self.pending[r].router == ident and not self.pending[r].client:
             p = self.pending.pop(r)
             self._send(p.router, wire.RouterReply(p.reg.rid, "error", error="aborted"))
         else:
@@ -291,24 +364,37 @@ class DecodeReceiver:
     def _answer(self, room: Room, reply: wire.RouterReply) -> None:
         if room.peer is not None:
             self._send(room.peer, wire.Ack(room.room, True, instance=self.instance))
+        if room.client and reply.verified is not False:  # its pages go to the server
+            self.rooms.pop(room.room, None)
+            self.arrived.append((room, reply.first_token))
+            return
+        if room.client:
+            reply = wire.RouterReply(room.rid, "error", error="the KV that arrived failed --verify")
         self._finish(room, reply)
 
     def _finish(self, room: Room, reply: wire.RouterReply, drain: bool = False) -> None:
-        """Answer the router and free the pages (after the prefill confirms, when drain)."""
+        """Answer the router (the server: `failed`) and free the pages (after the prefill
+        confirms, when drain)."""
         self.rooms.pop(room.room, None)
-        self._send(room.router, reply)
+        if not room.client:
+            self._send(room.router, reply)
+        elif reply.status == "error":
+            self.failed.append((room.rid, room.room, reply.error or "failed"))
         if drain:
             self._send(room.peer, wire.Abort(room.room))
             self.draining[room.room] = (room.pages, time.monotonic() + _DRAIN_S, room.peer)
             return
         self.allocator.free(room.pages * self.args.page_size)
-        self._admit_pending()
+        self.admit_pending()
 
     def _expire(self, now: float) -> None:
         while self.pending and (p := next(iter(self.pending.values()))).deadline < now:
             del self.pending[p.reg.bootstrap_room]
             error = f"no free receive pages within {self.args.register_timeout:.1f} s"
-            self._send(p.router, wire.RouterReply(p.reg.rid, "error", error=error))
+            if p.client:
+                self.failed.append((p.reg.rid, p.reg.bootstrap_room, error))
+            else:
+                self._send(p.router, wire.RouterReply(p.reg.rid, "error", error=error))
         while self.rooms and (room := next(iter(self.rooms.values()))).deadline < now:
             self._time_out(room)
         while self.draining:
@@ -317,17 +403,22 @@ class DecodeReceiver:
                 break
             del self.draining[r]
             self.allocator.free(pages * self.args.page_size)
-            self._admit_pending()
+            self.admit_pending()
 
     def _time_out(self, room: Room) -> None:
         """The room's KV did not arrive in time: the router gets an error; a prefill still
         sending is told to stop (and the pages wait for it), one waiting for its ack gets a
         refusal."""
         error = f"no KV within {self.args.waiting_timeout:.1f} s"
-        sending = room.peer is not None and not room.verifying
         if room.peer is not None and room.verifying:
             self._send(room.peer, wire.Ack(room.room, False, error, self.instance))
-        self._finish(room, wire.RouterReply(room.rid, "error", error=error), drain=sending)
+        reply = wire.RouterReply(room.rid, "error", error=error)
+        self._finish(room, reply, drain=self._sending(room))
+
+    @staticmethod
+    def _sending(room: Room) -> bool:
+        """A prefill bootstrapped the room and may still write its pages."""
+        return room.peer is not None and not room.verifying
 
     def _send(self, ident: bytes, msg: wire.Message) -> None:
         try:

@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 class KVVerifier:
     """The verify model, and a helper thread so the receiver's loop keeps answering pings."""
 
-    def __init__(self, args) -> None:
-        """`args`: DecodeArgs (model_path, random_seed, sliding_window, swa_layers, page_size)."""
-        self.model = load_model(
+    def __init__(self, args, model=None) -> None:
+        """`args`: DecodeArgs (model_path, random_seed, sliding_window, swa_layers, page_size);
+        `model`: one loaded from them already (the decode server's), else loaded here."""
+        self.model = model or load_model(
             args.model_path,
             seed=args.random_seed,
             sliding_window=args.sliding_window,

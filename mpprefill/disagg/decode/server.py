@@ -1,0 +1,365 @@
+"""The decode server: generate requests in, the prompt's KV from a prefill, tokens out.
+
+One process, one thread, one loop over four kinds of socket:
+
+    request socket (--zmq-port)   clients and the HTTP front: the request protocol
+                                  (server/protocol.py): generate, abort, stats
+    receiver socket               prefill transfer backends (receiver.py)
+    (--receiver-port)
+    prefill endpoint links        register_room / room_reply (bootstrap.py)
+
+A generate frame: the receiver allocates the prompt's pages (`add_request`), the room is
+registered at the prefill named by `bootstrap_host:bootstrap_port` (without them, a
+prefill that sends every room here, `--decode-address`, is assumed), the KV arrives, and
+the room's pages and first token go to the Generator. Between two polls of the sockets the
+loop runs one decode step over every running sequence (continuous batching: rooms whose KV
+came join between steps), so no answer to a prefill waits longer than one step; the
+allocator is shared by the receiver and the generator and stays on this one thread.
+
+Replies: `partial` per step for a streamed request (the tokens since its last reply), then
+`done` with every token; `error` for a request that cannot finish (bad input, transfer
+failed or timed out, abort, no KV pages left).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from mpprefill.disagg import wire
+from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.disagg.decode.bootstrap import PrefillLinks
+from mpprefill.disagg.decode.front import _WILDCARDS, spawn_front, stop_front
+from mpprefill.disagg.decode.generate import Generator
+from mpprefill.disagg.decode.receiver import DecodeReceiver, Room
+from mpprefill.model import load_model
+from mpprefill.server import protocol
+
+logger = logging.getLogger(__name__)
+MAX_FRAMES_PER_POLL = protocol.REQUEST_HWM
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    msg: protocol.Generate
+    owner: bytes  # the client that sent it: its replies go there, only it may abort
+    endpoint: str | None  # the prefill's bootstrap endpoint, host:port
+    output_ids: list[int] = field(default_factory=list)
+    generating: bool = False  # its KV came; the generator has it
+
+
+def eos_token_ids(model_path: str | None) -> tuple[int, ...]:
+    """`eos_token_id` (an int or a list) of the model dir's generation_config.json and
+    config.json, together; none for the built-in model."""
+    if model_path is None:
+        return ()
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_path) / name
+        if not path.is_file():
+            continue
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        for t in eos if isinstance(eos, list) else [eos]:
+            if isinstance(t, int) and not isinstance(t, bool):
+                ids.add(t)
+    return tuple(sorted(ids))
+
+
+def advertised_host(host: str) -> str:
+    """The host prefills are told to reach this decode's receiver at."""
+    return socket.gethostbyname(socket.gethostname()) if host in _WILDCARDS else host
+
+
+class DecodeServer:
+    def __init__(self, args: DecodeArgs) -> None:
+        self.args = args
+        self.model = None if args.emulate_model is not None else self._load_model()
+        self.rx = DecodeReceiver(args, delay=args.transfer_delay, model=self.model)
+        self.generator = None
+        if self.model is not None:
+            self.generator = Generator(
+                self.model,
+                self.rx.pool.kv,
+                self.rx.allocator,
+                args.page_size,
+                eos_token_ids(args.model_path),
+                args.max_running_requests,
+            )
+        self.requests: dict[str, Request] = {}  # by rid, until replied
+        self.by_room: dict[int, str] = {}  # rooms of requests still waiting for their KV
+        self._stop = threading.Event()
+        self._closing: str | None = None
+        self.ctx = zmq.Context()
+        self.poller = zmq.Poller()
+        try:
+            self.sock = protocol.bind_server_socket(self.ctx, args.host, args.zmq_port or 0)
+        except zmq.ZMQError:
+            self.rx.close()
+            self.ctx.term()
+            raise
+        self.zmq_port = self._port_of(self.sock)
+        own = f"{advertised_host(args.host)}:{self.rx.port}"
+        self.links = PrefillLinks(self.ctx, self.poller, own)
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.rx.sock, zmq.POLLIN)
+        self.front = spawn_front(args, self.zmq_port, os.getpid()) if args.port else None
+        logger.info(
+            "decode server: requests on %s:%d, receiver on %s, %s",
+            args.host,
+            self.zmq_port,
+            own,
+            "generating" if self.generator is not None else "receiving only",
+        )
+
+    def _load_model(self):
+        a = self.args
+        return load_model(
+            a.model_path,
+            seed=a.random_seed,
+            sliding_window=a.sliding_window,
+            swa_layers=a.swa_layers,
+        )
+
+    @staticmethod
+    def _port_of(sock: zmq.Socket) -> int:
+        return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+
+    # ---- loop ----------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        while not self._stop.is_set():
+            self.step()
+
+    def step(self) -> None:
+        """Read every socket, hand over what ended, then one decode step if any runs."""
+        timeout = 0 if self._generating() else (10 if self.rx.busy else 100)
+        events = dict(self.poller.poll(timeout))
+        if self.rx.sock in events:
+            self.rx.read()
+        self.rx.tick()
+        self._collect()  # first: an abort read below finds its request generating or not
+        if self.sock in events:
+            self._read_requests()
+        for endpoint, reply in self.links.read(events):
+            self._on_room_reply(endpoint, reply)
+        self._collect()
+        if self._generating():
+            for out in self.generator.step():
+                self._on_output(out)
+            self.rx.admit_pending()  # pages of finished sequences are free again
+        self.links.close_idle(time.monotonic())
+
+    def _generating(self) -> bool:
+        gen = self.generator
+        return gen is not None and bool(gen.num_running or gen.num_waiting)
+
+    def stop(self) -> None:
+        """Ask `serve_forever` to return (safe from a signal handler)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Every request gets an error; the receiver tells the prefills sending to stop."""
+        self._closing = "decode shut down"
+        for rid in list(self.requests):
+            self._fail(rid, self._closing)
+        if self.generator is not None:
+            self.generator.close()
+        self.rx.close()
+        self.links.close()
+        self.sock.close(linger=1000)
+        self.ctx.term()
+        if self.front is not None:
+            stop_front(self.front)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _read_requests(self) -> None:
+        for _ in range(MAX_FRAMES_PER_POLL):
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ident, frames = parts[0], parts[1:]
+            if len(frames) != 1:
+                self._send(ident, protocol.error_reply(None, "one JSON frame per message"))
+                continue
+            try:
+                msg = protocol.parse_frame(frames[0])
+            except protocol.ProtocolError as e:
+                self._send(ident, protocol.error_reply(e.rid, str(e)))
+                continue
+            self._handle(ident, msg)
+
+    def _handle(self, ident: bytes, msg) -> None:
+        if isinstance(msg, protocol.Stats):
+            rid = {"rid": msg.rid} if msg.rid is not None else {}
+            self._send(ident, json.dumps({**rid, "status": "stats", **self.stats()}).encode())
+        elif isinstance(msg, protocol.Abort):
+            self._abort(ident, msg.rid)
+        else:
+            self._admit(ident, msg)
+
+    def _admit(self, ident: bytes, msg: protocol.Generate) -> None:
+        why = self._refusal(msg)
+        if why is None:
+            why = self.rx.add_request(msg.rid, msg.bootstrap_room, msg.input_ids)
+        if why is not None:
+            self._send(ident, protocol.error_reply(msg.rid, why))
+            return
+        endpoint = None
+        if msg.bootstrap_host is not None:
+            endpoint = f"{msg.bootstrap_host}:{msg.bootstrap_port}"
+        self.requests[msg.rid] = Request(msg, ident, endpoint)
+        self.by_room[msg.bootstrap_room] = msg.rid
+        if endpoint is not None:
+            why = self.links.register(endpoint, msg.bootstrap_room)
+            if why is not None:  # its reply comes from the receiver's `failed`
+                self.rx.end_request(msg.bootstrap_room, why)
+
+    def _refusal(self, msg: protocol.Generate) -> str | None:
+        """Why this server will not take the request (None: it will)."""
+        if self._closing is not None:
+            return self._closing
+        if self.generator is None:
+            return "this decode server does not generate (its pool is for --emulate-model)"
+        if msg.rid in self.requests:
+            return "duplicate rid while the first is live"
+        if len(self.requests) >= self.args.max_queued_registrations:
+            return "overloaded"
+        if msg.bootstrap_room is None:
+            return "bad input: a decode request needs a bootstrap_room"
+        if (msg.bootstrap_host is None) != (msg.bootstrap_port is None):
+            return "bad input: bootstrap_host and bootstrap_port go together"
+        if msg.bootstrap_host is not None:
+            try:
+                wire.check_address(f"{msg.bootstrap_host}:{msg.bootstrap_port}")
+            except ValueError as e:
+                return f"bad input: bootstrap endpoint: {e}"
+        return self._check_prompt(msg)
+
+    def _check_prompt(self, msg: protocol.Generate) -> str | None:
+        config = self.model.config
+        n = len(msg.input_ids)
+        if n == 0:
+            return "bad input: empty input_ids"
+        if max(msg.input_ids) >= config.vocab_size or min(msg.input_ids) < 0:
+            return f"bad input: token ids must be in [0, {config.vocab_size}) (vocabulary)"
+        limit = config.max_position_embeddings
+        if n + msg.sampling_params.max_new_tokens > limit:
+            new = msg.sampling_params.max_new_tokens
+            return f"bad input: {n} prompt + {new} new tokens exceed the context length {limit}"
+        return None
+
+    def _abort(self, ident: bytes, rid: str) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.owner != ident:  # another client's request is unknown here
+            self._send(ident, protocol.error_reply(rid, "unknown rid"))
+        elif req.generating:
+            self.generator.abort(rid)
+            self._fail(rid, "aborted by client")
+        else:  # its reply comes from the receiver's `failed`
+            self.rx.end_request(req.msg.bootstrap_room, "aborted by client")
+
+    def _on_room_reply(self, endpoint: str, reply: wire.RoomReply) -> None:
+        rid = self.by_room.get(reply.room)
+        req = self.requests.get(rid) if rid is not None else None
+        if req is None or req.endpoint != endpoint or reply.ok:
+            return
+        why = f"bootstrap refused by the prefill at {endpoint}: {reply.error}"
+        self.rx.end_request(reply.room, why)
+
+    # ---- rooms that ended, and generation -------------------------------------------------
+
+    def _collect(self) -> None:
+        arrived, self.rx.arrived = self.rx.arrived, []
+        failed, self.rx.failed = self.rx.failed, []
+        for rid, _room, error in failed:
+            self._fail(rid, error)
+        for room, first_token in arrived:
+            self._start(room, first_token)
+
+    def _start(self, room: Room, first_token: int) -> None:
+        req = self.requests.get(room.rid)
+        if req is None:  # cannot happen: a request leaves only with its room
+            self.rx.allocator.free(room.pages * self.args.page_size)
+            return
+        self._waited(req)
+        msg = req.msg
+        try:
+            out = self.generator.add(
+                msg.rid, msg.input_ids, room.pages, first_token, msg.sampling_params
+            )
+        except ValueError as e:
+            self.rx.allocator.free(room.pages * self.args.page_size)
+            self._fail(msg.rid, f"bad input: {e}")
+            return
+        req.generating = True
+        if out is not None:
+            self._on_output(out)
+            return
+        req.output_ids.append(first_token)
+        if msg.stream:
+            self._send(req.owner, protocol.partial_reply(msg.rid, [first_token]))
+
+    def _on_output(self, out) -> None:
+        req = self.requests.get(out.key)
+        if req is None:
+            return
+        req.output_ids.extend(out.new_tokens)
+        if not out.finished:
+            if req.msg.stream:
+                self._send(req.owner, protocol.partial_reply(req.msg.rid, out.new_tokens))
+            return
+        reason = out.finish_reason or {}
+        if reason.get("type") == "abort":
+            self._fail(req.msg.rid, reason.get("message", "aborted"))
+            return
+        del self.requests[req.msg.rid]
+        msg = req.msg
+        n = len(msg.input_ids)
+        first = req.output_ids[0]
+        reply = protocol.done_reply(msg.rid, first, n, 0, req.output_ids, out.finish_reason)
+        self._send(req.owner, reply)
+
+    def _fail(self, rid: str, error: str) -> None:
+        """Reply `error`: the request's room has ended in the receiver, or its sequence in
+        the generator, already."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return
+        if not req.generating and req.endpoint is not None:
+            self.links.withdraw(req.endpoint, req.msg.bootstrap_room)
+        self._waited(req)
+        self._send(req.owner, protocol.error_reply(rid, error))
+
+    def _waited(self, req: Request) -> None:
+        """The request's room waits no more (its KV came, or it ended)."""
+        room = req.msg.bootstrap_room
+        if self.by_room.get(room) == req.msg.rid:
+            del self.by_room[room]
+        if req.endpoint is not None:
+            self.links.done(req.endpoint, room)
+
+    def stats(self) -> dict:
+        gen = self.generator
+        return {
+            "role": "decode",
+            "requests": len(self.requests),
+            "running": gen.num_running if gen is not None else 0,
+            "waiting": gen.num_waiting if gen is not None else 0,
+            **self.rx.stats(),
+        }
+
+    def _send(self, ident: bytes, payload: bytes) -> None:
+        try:
+            self.sock.send_multipart([ident, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.warning("dropped a reply to a client: %s", e.strerror)
