@@ -56,7 +56,7 @@ class ProcessWorker(Worker):
         with contextlib.ExitStack() as undo:  # a start that fails leaves nothing behind
             undo.callback(ipc.remove_prefix, self.prefix)
             self._start(args, hooks or DeviceHooks.from_env(), undo)
-            self._attach([self._get(rank, START_TIMEOUT) for rank in self.ranks])
+            self._attach(self._await_ready(START_TIMEOUT))
             undo.pop_all()
 
     def _start(self, args: ServerArgs, hooks: DeviceHooks, undo: contextlib.ExitStack):
@@ -80,6 +80,32 @@ class ProcessWorker(Worker):
         if len(self.ranks) > 1:
             self._sentinel = GroupSentinel([rank.proc for rank in self.ranks])
             undo.callback(self._sentinel.close)
+
+    def _await_ready(self, timeout: float) -> list:
+        """Every rank's first message (Ready unless it failed). Fails as soon as any rank
+        fails or dies, while the others may still wait for it at the group's rendezvous."""
+        if len(self.ranks) == 1:
+            return [self._get(self.ranks[0], timeout)]
+        deadline = time.monotonic() + timeout
+        readies: dict[int, object] = {}
+        while len(readies) < len(self.ranks):
+            if time.monotonic() > deadline:
+                raise WorkerDied(f"forward processes not ready within {timeout}s")
+            for rank in self.ranks:
+                if rank.rank not in readies and self._poll(rank, 0.05):
+                    readies[rank.rank] = self._get(rank, 0)
+        return [readies[rank.rank] for rank in self.ranks]
+
+    def _poll(self, rank: RankLink, timeout: float) -> bool:
+        """Whether a reply from `rank` is ready; raises once it died without one."""
+        try:
+            if rank.replies.poll(timeout):
+                return True
+        except ipc.PeerDied:
+            raise WorkerDied(self._death(rank)) from None
+        if rank.ended() and not rank.replies.poll(0):
+            raise WorkerDied(self._death(rank))
+        return False
 
     def _attach(self, readies: list) -> None:
         for rank, ready in zip(self.ranks, readies, strict=True):

@@ -8,23 +8,10 @@ import signal
 
 import pytest
 
-from mpprefill.bench.procs import children
 from mpprefill.engine import PrefillEngine
+from tests.worker.helpers import rank_pids
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def rank_pids(serve_pid: int) -> list[int]:
-    """The forward processes: the serve process's spawned children."""
-    pids = []
-    for child in children(serve_pid):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    pids.append(child)
-        except OSError:
-            continue
-    return pids
 
 
 def test_tp2_serve_matches_offline_and_fails_on_a_dead_rank(server_factory):

@@ -19,6 +19,7 @@ from mpprefill.engine import PrefillEngine
 from mpprefill.model import ModelConfig
 from mpprefill.model.export import save_random_model
 from mpprefill.worker.api import WorkerDied
+from tests.worker.helpers import rank_pids
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -139,6 +140,28 @@ def test_each_rank_holds_its_kv_heads_at_the_same_slots(model_dir):
         assert shard.shape[3] == 1
         want = whole[:, :, :, heads.start : heads.stop]
         assert torch.allclose(shard, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_rank_dying_during_start_fails_the_start_at_once():
+    """Rank 0 waits for rank 1 at the rendezvous; the start must not wait that long."""
+    killed: list[int] = []
+
+    def kill_the_last_rank():
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            pids = rank_pids(os.getpid())
+            if len(pids) == 2:
+                killed.append(max(pids))  # the later spawn: rank 1
+                os.kill(killed[0], signal.SIGKILL)
+            time.sleep(0.01)
+
+    threading.Thread(target=kill_the_last_rank, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied, match="tp rank 1"):
+        PrefillEngine(forward_mode="proc", tp_size=2, **ENGINE)
+    assert killed and time.monotonic() - t0 < 60
+    assert rank_pids(os.getpid()) == []
+    assert ipc.list_segments(f"mpp_{os.getpid()}_") == []
 
 
 def _kill_soon(pid: int, after_s: float, killed_at: list[float]) -> None:
