@@ -46,9 +46,9 @@ def model_dir(tmp_path_factory):
     return save_random_model(SMALL, str(tmp_path_factory.mktemp("small")), seed=3)
 
 
-def run(model_dir: str, mode: str, tp_size: int):
+def run(model_dir: str, mode: str, tp_size: int, **extra):
     with PrefillEngine(
-        model_dir, forward_mode=mode, tp_size=tp_size, check_invariants=True, **ENGINE
+        model_dir, forward_mode=mode, tp_size=tp_size, check_invariants=True, **ENGINE, **extra
     ) as eng:
         first = eng.prefill(PROMPTS[:1], return_logits=True)
         rest = eng.prefill(PROMPTS, return_logits=True)
@@ -67,9 +67,11 @@ def tp1(model_dir):
     return run(model_dir, "proc-ahead", 1)
 
 
-@pytest.mark.parametrize("mode", ["proc", "proc-ahead"])
-def test_tp2_engine_matches_tp1(model_dir, tp1, mode):
-    tp2 = run(model_dir, mode, 2)
+@pytest.mark.parametrize(
+    "mode, extra", [("proc", {}), ("proc-ahead", {}), ("proc-ahead", {"delay_sampling": True})]
+)
+def test_tp2_engine_matches_tp1(model_dir, tp1, mode, extra):
+    tp2 = run(model_dir, mode, 2, **extra)
     assert [o.cached_tokens for o in tp1] == [0, 80, 80, 0]
     assert [o.cached_tokens for o in tp2] == [o.cached_tokens for o in tp1]
     assert [o.first_token for o in tp2] == [o.first_token for o in tp1]
