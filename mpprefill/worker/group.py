@@ -141,15 +141,14 @@ class GroupSentinel:
 
     def _watch(self, sentinels: list[int]) -> None:
         wait_any(sentinels)
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # the read end may be closed already
             os.write(self._write, b"x")
+        os.close(self._write)  # NOTE: only this thread closes it, so no reused fd is hit
 
     def close(self) -> None:
-        """After every process was stopped (the watcher has returned then)."""
-        self._thread.join(5)
-        for fd in (self._read, self._write):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Close the read end; the watcher closes its end once the processes ended."""
+        with contextlib.suppress(OSError):
+            os.close(self._read)
 
 
 def start_store() -> dist.TCPStore:
