@@ -12,7 +12,8 @@ FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ah
 TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
 DEVICES = ("cpu", "cuda", "emulated")
 EMULATE_GPUS = ("h100", "h200", "b200")
-EMULATE_MODELS = ("Qwen2.5-0.5B", "Llama-3.1-8B", "Qwen2.5-14B")  # presets; or a config.json
+# presets; or a config.json
+EMULATE_MODELS = ("Qwen2.5-0.5B", "Llama-3.1-8B", "Qwen2.5-14B", "Llama-3.1-70B")
 STAGINGS = ("pinned", "cuda-ipc")  # how a CUDA worker gets its batch inputs
 SWA_PATTERN_HELP = (
     "which layers slide: 'all', layer ids '0,2,5', or a pattern of s (sliding) and f (full)"
@@ -115,10 +116,19 @@ class ServerArgs:
         "port of the bootstrap endpoint where decode servers register their rooms (shm and"
         " mooncake without --decode-address; 0: any free port)",
     )
+    tp_size: int = _f(
+        1,
+        "tensor parallel size: that many forward processes, rank r on cuda:r (NCCL) or a CPU"
+        " rank (gloo), sharding the model Megatron-style; needs --forward-mode proc or"
+        " proc-ahead. With --device emulated, one process charges one GPU's time of the"
+        " group: its shard's roofline plus the all-reduces over NVLink",
+    )
 
     def __post_init__(self):
         if not self.forward_timeout > 0:
             raise ValueError(f"--forward-timeout must be positive, got {self.forward_timeout}")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.forward_mode is not None and self.forward_mode not in FORWARD_MODES:
             raise ValueError(f"--forward-mode must be one of {FORWARD_MODES}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -150,6 +160,20 @@ class ServerArgs:
             raise ValueError(f"--emulate-gpu: one of {EMULATE_GPUS}")
         if self.staging not in STAGINGS:
             raise ValueError(f"--staging: one of {STAGINGS}")
+        if self.tp_size > 1:
+            self._check_tp()
+
+    def _check_tp(self) -> None:
+        """What a tensor-parallel group does not run (yet)."""
+        if self.disaggregation_transfer_backend != "fake":
+            raise ValueError(
+                "--tp-size > 1 runs with --disaggregation-transfer-backend fake only: the"
+                " KV transfer of a sharded pool is not built"
+            )
+        if self.staging == "cuda-ipc":
+            raise ValueError("--tp-size > 1 needs --staging pinned")
+        if self.host_store_size:
+            raise ValueError("--tp-size > 1 does not run with --host-store-size (yet)")
 
     def context_len(self, max_position_embeddings: int) -> int:
         """The longest prompt this server takes: --context-length, else the model's positions.
@@ -181,6 +205,12 @@ class ServerArgs:
     def resolved_forward_mode(self) -> str:
         mode = resolve_forward_mode(self.forward_mode, self.disable_overlap_schedule)
         check_dispatch(mode, self.disaggregation_mode, self.pp_size)
+        emulated = self.device == "emulated"  # one process models the group's device
+        if self.tp_size > 1 and not emulated and mode not in ("proc", "proc-ahead"):
+            raise ValueError(
+                f"--tp-size {self.tp_size} needs a forward process group: --forward-mode proc"
+                f" or proc-ahead, not {mode}"
+            )
         return mode
 
     def replace(self, **kw) -> ServerArgs:

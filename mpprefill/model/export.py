@@ -8,7 +8,7 @@ import os
 
 from mpprefill.model.config import ModelConfig
 from mpprefill.model.llama import LlamaForCausalLM
-from mpprefill.model.loader import hf_name_table
+from mpprefill.model.loader import hf_state_dict
 
 
 def hf_config(config: ModelConfig) -> dict:
@@ -29,11 +29,7 @@ def save_random_model(config: ModelConfig, path: str, seed: int = 0) -> str:
 
     model = LlamaForCausalLM(config)
     model.init_random_weights(seed)
-    params = dict(model.named_parameters())
-    tensors = {
-        hf: params[ours][rows].detach().contiguous().clone()
-        for hf, (ours, rows) in hf_name_table(config).items()
-    }
+    tensors = hf_state_dict(model)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config(config), f, indent=1)

@@ -12,6 +12,13 @@ from torch import Tensor, nn
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model.config import ModelConfig
 from mpprefill.model.forward_batch import ForwardBatch
+from mpprefill.model.parallel import (
+    TPRank,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    row_linear,
+    shard_config,
+)
 
 
 class Span(NamedTuple):
@@ -36,10 +43,10 @@ class RMSNorm(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPRank | None = None) -> None:
         super().__init__()
         self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.w2 = row_linear(config.intermediate_size, config.hidden_size, False, tp)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -47,14 +54,14 @@ class FeedForward(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPRank | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.n_head, self.n_kv_head = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_size
         self.sizes = [config.q_size, config.kv_size, config.kv_size]
         self.wqkv = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
-        self.wo = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.wo = row_linear(config.q_size, config.hidden_size, config.attention_out_bias, tp)
 
     def forward(
         self,
@@ -78,10 +85,10 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPRank | None = None) -> None:
         super().__init__()
-        self.attention = Attention(config, layer_id)
-        self.feed_forward = FeedForward(config)
+        self.attention = Attention(config, layer_id, tp)
+        self.feed_forward = FeedForward(config, tp)
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -93,21 +100,39 @@ class TransformerBlock(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Weights start uninitialised: call init_random_weights() or load a state dict."""
+    """Weights start uninitialised: call init_random_weights() or load a state dict.
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+    With `tp` of several ranks the model holds one rank's shard (see `parallel.py`): its
+    heads and MLP rows (`kv_config`, the shape its KV pool takes) and its vocabulary rows;
+    `config` stays the whole model's."""
+
+    def __init__(
+        self, config: ModelConfig, device: torch.device | str = "cpu", tp: TPRank | None = None
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.kv_config = config if self.tp is None else shard_config(config, self.tp)
         with torch.device("meta"):
-            self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-            blocks = (TransformerBlock(config, i) for i in range(config.num_hidden_layers))
-            self.layers = nn.ModuleList(blocks)
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self._build(config)
         self.to(config.torch_dtype).to_empty(device=device)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.requires_grad_(False).eval()
+
+    def _build(self, config: ModelConfig) -> None:
+        tp, local = self.tp, self.kv_config
+        if tp is None:
+            self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.tok_embeddings = VocabParallelEmbedding(config, tp)
+        blocks = (TransformerBlock(local, i, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(blocks)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if tp is None:
+            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:
+            self.output = VocabParallelHead(config, tp)
 
     @torch.inference_mode()
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from mpprefill.model.config import ModelConfig
 from mpprefill.model.llama import LlamaForCausalLM
+from mpprefill.model.parallel import TPRank
 from mpprefill.model.swa import with_sliding_window
 
 if TYPE_CHECKING:
@@ -28,16 +29,28 @@ def load_model(
     seed: int = 0,
     sliding_window: int | None = None,
     swa_layers: str | None = None,
+    tp: TPRank | None = None,
 ) -> LlamaForCausalLM:
     """None: ModelConfig.tiny() with seeded random weights. A path: an HF Llama/Qwen2 checkpoint.
 
     `sliding_window` / `swa_layers` (the flags) turn layers into sliding-window layers.
+    With `tp` of several ranks: this rank's shard, read from the checkpoint alone (the
+    random weights are those of the whole model, sharded).
     """
-    model = LlamaForCausalLM(_config(model_path, sliding_window, swa_layers), device=device)
-    if model_path is None:
+    config = _config(model_path, sliding_window, swa_layers)
+    model = LlamaForCausalLM(config, device=device, tp=tp)
+    if model_path is None and model.tp is None:
         model.init_random_weights(seed)
         return model
-    load_hf_weights(model, read_safetensors(model_path))
+    if model_path is None:
+        whole = LlamaForCausalLM(config)
+        whole.init_random_weights(seed)
+        load_tp_weights(model, hf_state_dict(whole))
+        return model
+    if model.tp is None:
+        load_hf_weights(model, read_safetensors(model_path))
+    else:
+        load_tp_weights(model, SafetensorsShards(model_path))
     logger.info("loaded %s from %s", model.config.architecture, model_path)
     return model
 
@@ -52,14 +65,17 @@ def _config(model_path: str | None, sliding_window: int | None, swa_layers: str 
     return with_sliding_window(base, sliding_window, swa_layers)
 
 
-def model_from_args(args: ServerArgs, device: torch.device | str) -> LlamaForCausalLM:
-    """The model the server's flags name, on `device`."""
+def model_from_args(
+    args: ServerArgs, device: torch.device | str, tp: TPRank | None = None
+) -> LlamaForCausalLM:
+    """The model the server's flags name, on `device` (this rank's shard with `tp`)."""
     return load_model(
         args.model_path,
         device=device,
         seed=args.random_seed,
         sliding_window=args.sliding_window,
         swa_layers=args.swa_layers,
+        tp=tp,
     )
 
 
@@ -93,12 +109,7 @@ def read_safetensors(model_path: str) -> dict[str, torch.Tensor]:
 def load_hf_weights(model: LlamaForCausalLM, hf: dict[str, torch.Tensor]) -> None:
     """Copy HF-named tensors into the model's (fused) parameters; all must match exactly."""
     table = hf_name_table(model.config)
-    unexpected = [n for n in hf if n not in table and not n.endswith(_IGNORED_SUFFIXES)]
-    if model.config.tie_word_embeddings:
-        unexpected = [n for n in unexpected if n != "lm_head.weight"]
-    missing = [n for n in table if n not in hf]
-    if unexpected or missing:
-        raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+    _check_names(model.config, table, hf)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, (ours, rows) in table.items():
@@ -144,3 +155,139 @@ def _layer_table(config: ModelConfig, i: int) -> dict[str, tuple[str, slice]]:
     table[f"{hf}input_layernorm.weight"] = (f"{ours}attention_norm.weight", whole)
     table[f"{hf}post_attention_layernorm.weight"] = (f"{ours}ffn_norm.weight", whole)
     return table
+
+
+def _check_names(config: ModelConfig, table: dict, names) -> None:
+    unexpected = [n for n in names if n not in table and not n.endswith(_IGNORED_SUFFIXES)]
+    if config.tie_word_embeddings:
+        unexpected = [n for n in unexpected if n != "lm_head.weight"]
+    missing = [n for n in table if n not in names]
+    if unexpected or missing:
+        raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """A whole (unsharded) model's weights under their HF names."""
+    params = dict(model.named_parameters())
+    return {
+        hf: params[ours][rows].detach().contiguous().clone()
+        for hf, (ours, rows) in hf_name_table(model.config).items()
+    }
+
+
+class SafetensorsShards:
+    """The tensor names of a checkpoint directory; `read(name, rows, cols)` reads only that
+    part of a tensor from its file."""
+
+    def __init__(self, model_path: str):
+        from safetensors import safe_open
+
+        self._files = {}
+        for f in sorted(Path(model_path).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                self._files.update(dict.fromkeys(h.keys(), str(f)))
+        if not self._files:
+            raise FileNotFoundError(f"no *.safetensors files in model path {model_path!r}")
+        self._open = safe_open
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def read(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
+        with self._open(self._files[name], framework="pt") as h:
+            part = h.get_slice(name)
+            return part[rows] if len(part.get_shape()) == 1 else part[rows, cols]
+
+
+class _WholeTensors:
+    """In-memory tensors behind the same `read` as SafetensorsShards."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def read(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
+        t = self.tensors[name]
+        return t[rows] if t.dim() == 1 else t[rows, cols]
+
+
+# (our parameter, its rows, the checkpoint tensor's rows, its columns) for one rank
+ShardEntry = tuple[str, slice, slice, slice]
+
+
+def load_tp_weights(
+    model: LlamaForCausalLM, source: SafetensorsShards | dict[str, torch.Tensor]
+) -> None:
+    """Copy this rank's part of each HF tensor into the sharded model's parameters."""
+    if isinstance(source, dict):
+        source = _WholeTensors(source)
+    table = tp_shard_table(model.config, model.tp)
+    _check_names(model.config, table, set(source))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        model.tok_embeddings.weight.zero_()  # the last rank's padding rows
+        model.output.weight.zero_()
+        for name, (ours, dst_rows, rows, cols) in table.items():
+            _copy(params[ours][dst_rows], source.read(name, rows, cols), name)
+
+
+def tp_shard_table(config: ModelConfig, tp: TPRank) -> dict[str, ShardEntry]:
+    """HF tensor name -> where rank `tp.rank`'s part of it goes (see `parallel.py`)."""
+    whole = slice(None)
+    vocab = _span(tp.vocab(config), 1)
+    local_vocab = slice(0, vocab.stop - vocab.start)
+    table = {
+        "model.embed_tokens.weight": ("tok_embeddings.weight", local_vocab, vocab, whole),
+        "model.norm.weight": ("norm.weight", whole, whole, whole),
+    }
+    if not config.tie_word_embeddings:
+        table["lm_head.weight"] = ("output.weight", local_vocab, vocab, whole)
+    for i in range(config.num_hidden_layers):
+        table.update(_tp_layer_table(config, tp, i))
+    return table
+
+
+def _tp_layer_table(config: ModelConfig, tp: TPRank, i: int) -> dict[str, ShardEntry]:
+    hf, ours = f"model.layers.{i}.", f"layers.{i}."
+    dim, whole = config.head_size, slice(None)
+    q = _span(tp.heads(config), dim)
+    kv = _span(tp.kv_heads(config), dim)
+    inter = _span(tp.intermediate(config), 1)
+    q_len, kv_len, i_len = q.stop - q.start, kv.stop - kv.start, inter.stop - inter.start
+    qkv = {
+        "q_proj": (slice(0, q_len), q),
+        "k_proj": (slice(q_len, q_len + kv_len), kv),
+        "v_proj": (slice(q_len + kv_len, q_len + 2 * kv_len), kv),
+    }
+    suffixes = ("weight", "bias") if config.attention_bias else ("weight",)
+    table = {
+        f"{hf}self_attn.{proj}.{s}": (f"{ours}attention.wqkv.{s}", dst, rows, whole)
+        for proj, (dst, rows) in qkv.items()
+        for s in suffixes
+    }
+    table[f"{hf}self_attn.o_proj.weight"] = (f"{ours}attention.wo.weight", whole, whole, q)
+    if config.attention_out_bias:
+        table[f"{hf}self_attn.o_proj.bias"] = (f"{ours}attention.wo.bias", whole, whole, whole)
+    gate, up = slice(0, i_len), slice(i_len, 2 * i_len)
+    table[f"{hf}mlp.gate_proj.weight"] = (f"{ours}feed_forward.w13.weight", gate, inter, whole)
+    table[f"{hf}mlp.up_proj.weight"] = (f"{ours}feed_forward.w13.weight", up, inter, whole)
+    table[f"{hf}mlp.down_proj.weight"] = (f"{ours}feed_forward.w2.weight", whole, whole, inter)
+    for norm, mine in (
+        ("input_layernorm", "attention_norm"),
+        ("post_attention_layernorm", "ffn_norm"),
+    ):
+        table[f"{hf}{norm}.weight"] = (f"{ours}{mine}.weight", whole, whole, whole)
+    return table
+
+
+def _span(r: range, width: int) -> slice:
+    """Rows r.start * width .. r.stop * width: the rows of heads (width: head_dim)."""
+    return slice(r.start * width, r.stop * width)

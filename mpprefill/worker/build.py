@@ -8,6 +8,7 @@ from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import LlamaForCausalLM, ModelConfig
 from mpprefill.model.loader import config_from_args, model_from_args
+from mpprefill.model.parallel import TPRank
 from mpprefill.worker.runner import ForwardRunner
 
 
@@ -20,6 +21,13 @@ def num_kv_slots(args: ServerArgs) -> int:
     return args.num_pages * args.page_size
 
 
+def group_size(args: ServerArgs) -> int:
+    """Forward processes of the worker: one per tensor-parallel rank, but one in all for
+    the emulated device, whose clock charges one rank's time of the whole group (the ranks
+    run the same host path in lockstep)."""
+    return 1 if args.device == "emulated" else args.tp_size
+
+
 def worker_model_config(args: ServerArgs) -> ModelConfig:
     """The config of the model the worker runs (for an emulated device, the small-width
     stand-in with the emulated model's layer count)."""
@@ -30,13 +38,16 @@ def worker_model_config(args: ServerArgs) -> ModelConfig:
     return config_from_args(args)
 
 
-def worker_model(args: ServerArgs, config: ModelConfig, device: str) -> LlamaForCausalLM:
-    """The model of `worker_model_config(args)` (`config`), on `device`."""
+def worker_model(
+    args: ServerArgs, config: ModelConfig, device: str, tp: TPRank | None = None
+) -> LlamaForCausalLM:
+    """The model of `worker_model_config(args)` (`config`), on `device`; with `tp`, this
+    rank's shard of it."""
     if args.device == "emulated":
         from mpprefill.worker.emulated import host_model
 
         return host_model(config, args.random_seed)
-    return model_from_args(args, device)
+    return model_from_args(args, device, tp)
 
 
 def emulated_device(args: ServerArgs):
@@ -45,7 +56,7 @@ def emulated_device(args: ServerArgs):
         return None
     from mpprefill.worker.emulated import EmulatedDevice
 
-    return EmulatedDevice.of(args.emulate_model, args.emulate_gpu)
+    return EmulatedDevice.of(args.emulate_model, args.emulate_gpu, args.tp_size)
 
 
 def build_runner(
@@ -53,9 +64,12 @@ def build_runner(
     device: str,
     kv_buffer: torch.Tensor | None = None,
     config: ModelConfig | None = None,
+    tp: TPRank | None = None,
 ) -> ForwardRunner:
     """Model and KV pool on `device`; the KV pool may live in a given (shared) buffer.
-    `config`: `worker_model_config(args)` where the caller has it already."""
-    model = worker_model(args, config or worker_model_config(args), device)
-    kv = KVCache.for_model(model.config, num_kv_slots(args), device, kv_buffer, swa_slots(args))
+    `config`: `worker_model_config(args)` where the caller has it already. With `tp`, the
+    rank's shard of the model and its KV heads' pool."""
+    model = worker_model(args, config or worker_model_config(args), device, tp)
+    cfg = model.kv_config
+    kv = KVCache.for_model(cfg, num_kv_slots(args), device, kv_buffer, swa_slots(args))
     return ForwardRunner(model, kv, emulated_device(args))

@@ -99,23 +99,26 @@ def shrink(fb: ForwardBatch, keep: int = KEEP_TOKENS) -> ForwardBatch:
 
 
 class EmulatedDevice:
-    """Charges each forward's roofline time on a device clock."""
+    """Charges each forward's roofline time on a device clock. At `tp_size` > 1 the clock
+    is one GPU of a tensor-parallel group: its shard's roofline plus the collectives."""
 
-    def __init__(self, shape: ModelShape, gpu: str):
+    def __init__(self, shape: ModelShape, gpu: str, tp_size: int = 1):
+        shape.shard(tp_size)  # raises unless the shape splits over the group
         self.shape = shape
         self.gpu = GPUS[gpu]
+        self.tp_size = tp_size
         self.clock = DeviceClock()
         self._last = (0, 0, 0.0)
 
     @classmethod
-    def of(cls, emulate_model: str, gpu: str) -> EmulatedDevice:
-        return cls(resolve_shape(emulate_model), gpu)
+    def of(cls, emulate_model: str, gpu: str, tp_size: int = 1) -> EmulatedDevice:
+        return cls(resolve_shape(emulate_model), gpu, tp_size)
 
     def forward(self, model: LlamaForCausalLM, fb: ForwardBatch, kv: KVCache):
         extend = fb.extend_lens.tolist()
         prefix = fb.prefix_lens.tolist()
-        layer_s = layer_time_s(self.shape, self.gpu, extend, prefix)
-        head_s = head_time_s(self.shape, self.gpu, len(extend))
+        layer_s = layer_time_s(self.shape, self.gpu, extend, prefix, self.tp_size)
+        head_s = head_time_s(self.shape, self.gpu, len(extend), self.tp_size)
         first: list[float] = []
 
         def on_layer(i: int) -> None:

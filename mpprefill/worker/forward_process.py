@@ -26,16 +26,24 @@ import time
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 import ipc
 from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig
+from mpprefill.model.parallel import TPRank, init_tp_group, shard_config, tp_backend
 from mpprefill.sampling import SamplingBatchInfo
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker.api import ForwardInput
-from mpprefill.worker.build import build_runner, num_kv_slots, swa_slots, worker_model_config
+from mpprefill.worker.build import (
+    build_runner,
+    group_size,
+    num_kv_slots,
+    swa_slots,
+    worker_model_config,
+)
 from mpprefill.worker.device import DevicePlan, HostStream
 from mpprefill.worker.events import WorkerOrder, forward_gen, make_events, sample_gen
 from mpprefill.worker.hooks import DeviceHooks, LateReads
@@ -64,11 +72,14 @@ class WorkerSetup:
     slots: list[dict[str, dict]]  # handles of both staging slots' fields
     max_reqs: int
     hooks: DeviceHooks
+    tp_rank: int = 0  # this process's tensor-parallel rank (of args["tp_size"])
+    tp_store: tuple[str, int] | None = None  # the group's rendezvous (tp_size > 1)
 
     @classmethod
-    def of(cls, args: dict, plan, prefix, events, cuda_events, slots, max_reqs, hooks):
+    def of(cls, args: dict, plan, prefix, events, cuda_events, slots, max_reqs, hooks, **tp):
         slot_dicts = [{k: h.to_dict() for k, h in s.items()} for s in slots]
-        return cls(args, plan, prefix, events.to_dict(), cuda_events, slot_dicts, max_reqs, hooks)
+        events = events.to_dict()
+        return cls(args, plan, prefix, events, cuda_events, slot_dicts, max_reqs, hooks, **tp)
 
     def slot_handles(self) -> list[dict[str, ipc.TensorHandle]]:
         return [{k: ipc.TensorHandle.from_dict(d) for k, d in s.items()} for s in self.slots]
@@ -86,7 +97,8 @@ def result_specs(max_reqs: int, vocab_size: int) -> ipc.bundle.Specs:
 class WorkerLoop:
     runner: ForwardRunner
     slots: list[dict[str, torch.Tensor]]  # both staging slots, opened once
-    result: dict[str, torch.Tensor]  # both result slots (host shared memory)
+    result: dict[str, torch.Tensor] | None  # both result slots (host shared memory); None
+    # on tensor-parallel ranks other than 0, whose results nobody reads
     order: WorkerOrder
     stream: HostStream
     late_reads: LateReads | None = None
@@ -181,6 +193,8 @@ class WorkerLoop:
             self.late_reads.release(slot, seq, fb, record)
 
     def _write_result(self, seq: int, tokens: torch.Tensor | None, logits: torch.Tensor | None):
+        if self.result is None:
+            return
         row = seq % NUM_RESULT_SLOTS
         if tokens is not None:
             self.result["tokens"][row, : len(tokens)].copy_(tokens, non_blocking=True)
@@ -195,9 +209,10 @@ def _own_copy(sampling: SamplingBatchInfo) -> SamplingBatchInfo:
 
 def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> None:
     """`endpoints`: the scheduler's request channel and its reply channel."""
+    name = "worker" if setup.tp_store is None else f"worker{setup.tp_rank}"
     logging.basicConfig(
         level=setup.args.get("log_level", "info").upper(),
-        format="%(asctime)s %(levelname)s worker: %(message)s",
+        format=f"%(asctime)s %(levelname)s {name}: %(message)s",
     )
     # NOTE: Ctrl-C reaches the whole process group; the scheduler owns shutdown and stops
     # this process itself, so SIGINT is ignored here. SIGTERM still cleans up and exits.
@@ -209,7 +224,7 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
         logger.warning("scheduler went away before the forward process started")
         sys.exit(1)
     args = ServerArgs(**setup.args)
-    set_torch_threads(args.worker_threads)
+    set_torch_threads(_threads(args))
     # NOTE: the receiving and sending threads wait for the GIL while the forward thread
     # issues; at the default 5 ms a request that arrived mid-forward is often still unread
     # when the forward ends, and the device waits for it.
@@ -242,6 +257,8 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
         if outbox is not None:
             outbox.close()
         watch.uninstall()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         if args.trace_dir:
             os.makedirs(args.trace_dir, exist_ok=True)
             get_tracer().dump(args.trace_dir)
@@ -254,15 +271,19 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
 def _setup(args: ServerArgs, setup: WorkerSetup, parent: int):
     """The loop, the Ready message, and the shared buffers this process owns."""
     plan = setup.plan
-    runner, kv_shared = _runner(args, plan, setup.prefix)
+    tp = _join_group(args, setup, plan)
+    runner, kv_shared = _runner(args, plan, setup.prefix, tp)
     cfg: ModelConfig = runner.model.config
-    result = ipc.SharedBundle(result_specs(setup.max_reqs, cfg.vocab_size), setup.prefix)
-    views = ipc.open_bundle(result.handles)  # NOTE: the mapping that gets page-locked
+    result, views = None, None
+    if setup.tp_rank == 0:
+        result = ipc.SharedBundle(result_specs(setup.max_reqs, cfg.vocab_size), setup.prefix)
+        views = ipc.open_bundle(result.handles)  # NOTE: the mapping that gets page-locked
     slot_handles = setup.slot_handles()
     slots = [ipc.open_bundle(h) for h in slot_handles]
     pinned = []
     if plan.pin_host_buffers:
-        shared = [*result.handles.values(), *(h for s in slot_handles for h in s.values())]
+        results = [] if result is None else list(result.handles.values())
+        shared = [*results, *(h for s in slot_handles for h in s.values())]
         pinned = pin_segments(shared)
     table = ipc.open_handle(ipc.TensorHandle.from_dict(setup.events))
     events, _ = make_events(plan, "worker", table, setup.cuda_events)
@@ -271,17 +292,37 @@ def _setup(args: ServerArgs, setup: WorkerSetup, parent: int):
     late = setup.hooks.late_reads(plan)
     read_ahead = plan.device == "cpu"  # host slots, read in place
     loop = WorkerLoop(runner, slots, views, order, stream, late, read_ahead)
-    ready = Ready(os.getpid(), kv_shared.handle, result.handles, dataclasses.asdict(cfg))
+    handles = {} if result is None else result.handles
+    ready = Ready(os.getpid(), kv_shared.handle, handles, dataclasses.asdict(cfg))
     return loop, ready, (kv_shared, result, pinned)
 
 
-def _runner(args: ServerArgs, plan: DevicePlan, prefix: str):
-    """The runner, its KV pool in a shared segment this process owns."""
+def _join_group(args: ServerArgs, setup: WorkerSetup, plan: DevicePlan) -> TPRank | None:
+    """This rank's place in its tensor-parallel group (on a GPU, device `rank`)."""
+    if setup.tp_store is None:
+        return None
+    if plan.device == "cuda":
+        torch.cuda.set_device(setup.tp_rank)
+    backend = tp_backend(plan.device)
+    return init_tp_group(setup.tp_rank, args.tp_size, setup.tp_store, backend, args.forward_timeout)
+
+
+def _threads(args: ServerArgs) -> int:
+    """Torch threads; CPU ranks of a group share the cores unless told otherwise."""
+    size = group_size(args)
+    if args.worker_threads > 0 or size == 1:
+        return args.worker_threads
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def _runner(args: ServerArgs, plan: DevicePlan, prefix: str, tp: TPRank | None = None):
+    """The runner, its KV pool (this rank's KV heads) in a shared segment this process owns."""
     cfg = worker_model_config(args)
+    kv_cfg = cfg if tp is None else shard_config(cfg, tp)
     num_slots = num_kv_slots(args)
-    shape = KVCache.model_storage_shape(cfg, num_slots, swa_slots(args))
+    shape = KVCache.model_storage_shape(kv_cfg, num_slots, swa_slots(args))
     kv_shared = ipc.SharedTensor.create(shape, cfg.torch_dtype, prefix, plan.device)
-    return build_runner(args, plan.device, kv_shared.tensor, cfg), kv_shared
+    return build_runner(args, plan.device, kv_shared.tensor, cfg, tp), kv_shared
 
 
 def _stream(runner: ForwardRunner, plan: DevicePlan, hooks: DeviceHooks) -> HostStream:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import multiprocessing as mp
-import os
+import time
 from collections import deque
 from collections.abc import Iterator
 
@@ -17,19 +15,20 @@ from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig
 from mpprefill.model.loader import config_from_args
+from mpprefill.model.parallel import TPRank, check_shardable, shard_config
 from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied, sleep_until_ns
-from mpprefill.worker.build import num_kv_slots, swa_slots
+from mpprefill.worker.build import group_size, num_kv_slots, swa_slots
 from mpprefill.worker.device import DevicePlan
-from mpprefill.worker.events import (
-    NUM_EVENTS,
-    NUM_SLOTS,
-    SchedulerOrder,
-    forward_gen,
-    make_events,
-    sample_gen,
-)
+from mpprefill.worker.events import NUM_SLOTS, forward_gen, sample_gen
 from mpprefill.worker.fence import KVWriteFence
-from mpprefill.worker.forward_process import NUM_RESULT_SLOTS, WorkerSetup, worker_main
+from mpprefill.worker.forward_process import NUM_RESULT_SLOTS
+from mpprefill.worker.group import (
+    GroupOrder,
+    GroupSentinel,
+    RankLink,
+    start_store,
+    stop_process,
+)
 from mpprefill.worker.hooks import DeviceHooks
 from mpprefill.worker.messages import Done, Exit, Failed, Ready, Sample, Submit
 from mpprefill.worker.staging import make_staging, staging_specs
@@ -39,8 +38,9 @@ START_TIMEOUT = 300.0
 
 
 class ProcessWorker(Worker):
-    """Spawns the forward process; inputs travel through two shared staging slots, results
-    through two result slots (forward N uses slot N % 2 of each)."""
+    """Spawns the forward process (one per tensor-parallel rank: `group.py`); inputs travel
+    through two shared staging slots, results through two result slots (forward N uses
+    slot N % 2 of each)."""
 
     max_in_flight = 2
 
@@ -52,60 +52,77 @@ class ProcessWorker(Worker):
         self.max_reqs = args.max_running_requests
         self._pending: deque[ForwardInput] = deque()
         self._kv: KVCache | None = None
+        self._sentinel: GroupSentinel | None = None
         with contextlib.ExitStack() as undo:  # a start that fails leaves nothing behind
             undo.callback(ipc.remove_prefix, self.prefix)
-            self._start(args, hooks, undo)
-            self._attach(self._get(START_TIMEOUT))
+            self._start(args, hooks or DeviceHooks.from_env(), undo)
+            self._attach(self._await_ready(START_TIMEOUT))
             undo.pop_all()
 
-    def _start(self, args: ServerArgs, hooks: DeviceHooks | None, undo: contextlib.ExitStack):
-        self.staging = make_staging(_specs(args, config_from_args(args)), self.prefix, self.plan)
+    def _start(self, args: ServerArgs, hooks: DeviceHooks, undo: contextlib.ExitStack):
+        config = config_from_args(args)
+        size = group_size(args)
+        if size > 1:
+            check_shardable(config, size)
+        self.staging = make_staging(_specs(args, config), self.prefix, self.plan)
         undo.callback(self.staging.unlink)
-        self._events_st = ipc.SharedTensor.create((NUM_EVENTS,), torch.int64, self.prefix)
-        undo.callback(self._events_st.unlink)
-        events, cuda_events = make_events(self.plan, "scheduler", self._events_st.tensor)
-        # Requests (Submit, Sample, Exit) one way, replies the other: each side serves
-        # its receiving mailbox on a thread of its own (see mailboxes.py).
-        self.requests = ipc.Channel(ipc.ipc_endpoint(f"fw-{self.prefix}-req"), bind=True)
-        undo.callback(_drop_channel, self.requests)
-        self.replies = ipc.Channel(ipc.ipc_endpoint(f"fw-{self.prefix}-rep"), bind=True)
-        undo.callback(_drop_channel, self.replies)
-        setup = WorkerSetup.of(
-            dataclasses.asdict(args),
-            self.plan,
-            self.prefix,
-            self._events_st.handle,
-            cuda_events or None,
-            self.staging.handles,
-            self.max_reqs,
-            hooks or DeviceHooks.from_env(),
-        )
-        self.proc = mp.get_context("spawn").Process(
-            target=worker_main,
-            name="mpprefill-forward",
-            daemon=True,
-            args=(setup, (self.requests.endpoint, self.replies.endpoint), os.getpid()),
-        )
-        self.proc.start()
-        undo.callback(_stop_process, self.proc)
-        self.requests.set_peer(self.proc.pid)
-        self.replies.set_peer(self.proc.pid)
-        self.order = SchedulerOrder(events, alive=self.proc.is_alive)
+        self._store = start_store() if size > 1 else None
+        store = None if self._store is None else ("127.0.0.1", self._store.port)
+        self.ranks = [
+            RankLink(args, self.plan, self.prefix, self.staging.handles, hooks, r, store, undo)
+            for r in range(size)
+        ]
+        orders = [rank.order for rank in self.ranks]
+        self.order = orders[0] if len(orders) == 1 else GroupOrder(orders)
         self.kv_fence = KVWriteFence(
             args.num_pages, args.page_size, self.order.kv_written, self.order.kv_written_query
         )
+        if len(self.ranks) > 1:
+            self._sentinel = GroupSentinel([rank.proc for rank in self.ranks])
+            undo.callback(self._sentinel.close)
 
-    def _attach(self, ready) -> None:
-        if not isinstance(ready, Ready):
-            raise WorkerDied(f"forward process sent {type(ready).__name__} instead of Ready")
-        self._ready = ready
-        self.model_config = ModelConfig(**ready.model_config)
-        self.result = ipc.open_bundle(ready.result)
+    def _await_ready(self, timeout: float) -> list:
+        """Every rank's first message (Ready unless it failed). Fails as soon as any rank
+        fails or dies, while the others may still wait for it at the group's rendezvous."""
+        if len(self.ranks) == 1:
+            return [self._get(self.ranks[0], timeout)]
+        deadline = time.monotonic() + timeout
+        readies: dict[int, object] = {}
+        while len(readies) < len(self.ranks):
+            if time.monotonic() > deadline:
+                raise WorkerDied(f"forward processes not ready within {timeout}s")
+            for rank in self.ranks:
+                if rank.rank not in readies and self._poll(rank, 0.05):
+                    readies[rank.rank] = self._get(rank, 0)
+        return [readies[rank.rank] for rank in self.ranks]
+
+    def _poll(self, rank: RankLink, timeout: float) -> bool:
+        """Whether a reply from `rank` is ready; raises once it died without one."""
+        try:
+            if rank.replies.poll(timeout):
+                return True
+        except ipc.PeerDied:
+            raise WorkerDied(self._death(rank)) from None
+        if rank.ended() and not rank.replies.poll(0):
+            raise WorkerDied(self._death(rank))
+        return False
+
+    def _attach(self, readies: list) -> None:
+        for rank, ready in zip(self.ranks, readies, strict=True):
+            if not isinstance(ready, Ready):
+                name = type(ready).__name__
+                raise WorkerDied(f"{rank.label} sent {name} instead of Ready")
+        self._readies = readies
+        self._ready = readies[0]
+        self.model_config = ModelConfig(**self._ready.model_config)
+        self.result = ipc.open_bundle(self._ready.result)  # rank 0 writes the results
 
     @property
     def kv_cache(self) -> KVCache:
         """The worker's pool, opened on first use (on a GPU this is the scheduler's first
         CUDA call with pinned staging). Read its pages only after `kv_fence`."""
+        if len(self.ranks) > 1:
+            raise ValueError("the KV pool is sharded over the tensor-parallel ranks")
         if self._kv is None:
             self._kv = KVCache.for_model(
                 self.model_config,
@@ -115,16 +132,42 @@ class ProcessWorker(Worker):
             )
         return self._kv
 
+    def kv_shards(self) -> list[tuple[KVCache, range]]:
+        """Every rank's KV pool and the model's KV heads it holds, rank 0 first (one rank:
+        the whole pool). Slot and page indices mean the same in every pool. Read pages
+        only after `kv_fence`."""
+        if len(self.ranks) == 1:
+            return [(self.kv_cache, range(self.model_config.num_key_value_heads))]
+        shards = []
+        for r, ready in enumerate(self._readies):
+            tp = TPRank(r, len(self.ranks))
+            kv = KVCache.for_model(
+                shard_config(self.model_config, tp),
+                num_kv_slots(self.args),
+                buffer=ipc.open_handle(ready.kv),
+                num_swa_slots=swa_slots(self.args),
+            )
+            shards.append((kv, tp.kv_heads(self.model_config)))
+        return shards
+
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.ranks[0].proc.pid
+
+    @property
+    def pids(self) -> list[int]:
+        """Every rank's forward process, rank 0 first."""
+        return [rank.proc.pid for rank in self.ranks]
 
     @property
     def sentinel(self) -> int:
-        return self.proc.sentinel
+        return self.ranks[0].proc.sentinel if self._sentinel is None else self._sentinel.fd
 
     def death(self) -> str | None:
-        return None if self.proc.is_alive() else self._death()
+        for rank in self.ranks:
+            if rank.ended():
+                return self._death(rank)
+        return None
 
     def submit(self, inp: ForwardInput) -> None:
         self._check_room(self._pending)
@@ -133,16 +176,20 @@ class ProcessWorker(Worker):
             counts = self.staging.write(slot, inp.seq, inp.forward, inp.sampling, self.order)
         self.kv_fence.note_writes(inp.seq, inp.forward.out_cache_loc)
         n_tok, n_req, n_kv = counts
-        self._put(Submit(inp.seq, slot, n_tok, n_req, n_kv, inp.delay_sample, inp.return_logits))
+        msg = Submit(inp.seq, slot, n_tok, n_req, n_kv, inp.delay_sample, inp.return_logits)
+        for rank in self.ranks:
+            self._put(rank, msg)
         self._pending.append(inp)
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
         if not self._pending:
             raise RuntimeError("collect with nothing submitted")
         inp = self._pending[0]
-        done = self._get(timeout)
-        if done.seq != inp.seq:
-            raise WorkerDied(f"forward process answered {done.seq}, expected {inp.seq}")
+        dones = [self._get(rank, timeout) for rank in self.ranks]
+        for rank, done in zip(self.ranks, dones, strict=True):
+            if done.seq != inp.seq:
+                raise WorkerDied(f"{rank.label} answered {done.seq}, expected {inp.seq}")
+        done = max(dones, key=lambda d: d.end_ns)  # the group is done when its last rank is
         sleep_until_ns(done.end_ns)  # the device's own finish time, where it knows it
         with self._events():
             self.order.before_result(forward_gen(done.seq), timeout)
@@ -150,7 +197,7 @@ class ProcessWorker(Worker):
         self._note_collected(inp)
         b = inp.batch_size
         row = inp.seq % NUM_RESULT_SLOTS
-        tokens = self.result["tokens"][row, :b].clone() if done.sampled else None
+        tokens = self.result["tokens"][row, :b].clone() if dones[0].sampled else None
         want = inp.return_logits or inp.delay_sample
         logits = self.result["logits"][row, :b].clone() if want else None
         return ForwardResult(
@@ -159,8 +206,10 @@ class ProcessWorker(Worker):
 
     def sample(self, inp: ForwardInput, timeout: float | None = None) -> torch.Tensor:
         self._check_sample(inp, self._pending)
-        self._put(Sample(inp.seq))
-        self._get(timeout)
+        for rank in self.ranks:
+            self._put(rank, Sample(inp.seq))
+        for rank in self.ranks:
+            self._get(rank, timeout)
         with self._events():
             self.order.before_result(sample_gen(inp.seq), timeout)
         row = inp.seq % NUM_RESULT_SLOTS
@@ -172,73 +221,72 @@ class ProcessWorker(Worker):
         try:
             yield
         except EventAbandoned:
-            raise WorkerDied(self._death()) from None
+            raise WorkerDied(self.death() or "a forward process died") from None
         except EventTimeout as e:
             raise WorkerDied(f"forward process stalled: {e}") from None
 
-    def _put(self, msg) -> None:
+    def _put(self, rank: RankLink, msg) -> None:
         try:
-            self.requests.put(msg, timeout=60)
+            rank.requests.put(msg, timeout=60)
         except ipc.PeerDied:
-            raise WorkerDied(self._death()) from None
+            raise WorkerDied(self._death(rank)) from None
 
-    def _get(self, timeout: float | None):
+    def _get(self, rank: RankLink, timeout: float | None):
         try:
-            msg = self.replies.get(timeout)
+            msg = rank.replies.get(timeout)
         except ipc.PeerDied:
-            raise WorkerDied(self._death()) from None
+            raise WorkerDied(self._death(rank)) from None
         except ipc.MailboxTimeout:
-            raise WorkerDied(f"forward process stalled: no reply within {timeout}s") from None
+            raise WorkerDied(f"{rank.label} stalled: no reply within {timeout}s") from None
         if isinstance(msg, Failed):
-            raise WorkerDied(f"forward process failed: {msg.error}")
+            raise WorkerDied(f"{rank.label} failed: {msg.error}")
         if not isinstance(msg, Done | Ready):
-            raise WorkerDied(f"unexpected message from the forward process: {msg!r}")
+            raise WorkerDied(f"unexpected message from the {rank.label}: {msg!r}")
         return msg
 
-    def _death(self) -> str:
+    def _death(self, rank: RankLink) -> str:
         report = None
         with contextlib.suppress(ipc.MailboxError):  # its last words, if it said any
-            report = self.replies.get(timeout=0)
-        self.proc.join(1)
+            report = rank.replies.get(timeout=0)
+        rank.proc.join(1)
         if isinstance(report, Failed):
-            return f"forward process failed: {report.error}"
-        return f"forward process died (exit code {self.proc.exitcode})"
+            return f"{rank.label} failed: {report.error}"
+        return f"{rank.label} died (exit code {rank.proc.exitcode})"
 
     @property
     def mailbox_bytes(self) -> int:
-        channels = (self.requests, self.replies)
+        channels = [ch for rank in self.ranks for ch in (rank.requests, rank.replies)]
         return sum(ch.bytes_sent + ch.bytes_recv for ch in channels)
 
     def close(self) -> None:
-        if self.proc.is_alive():
-            with contextlib.suppress(ipc.MailboxError):
-                self.requests.put(Exit("close"), timeout=2)
-            self.proc.join(5)
-        _stop_process(self.proc)
+        for rank in self.ranks:
+            if rank.proc.is_alive():
+                with contextlib.suppress(ipc.MailboxError):
+                    rank.requests.put(Exit("close"), timeout=2)
+        deadline = time.monotonic() + 5  # one wait for the whole group
+        for rank in self.ranks:
+            rank.proc.join(max(0.0, deadline - time.monotonic()))
+            stop_process(rank.proc)
+        if self._sentinel is not None:
+            self._sentinel.close()
         self.staging.unlink()
-        self._events_st.unlink()
-        ipc.remove_prefix(self.prefix)  # whatever the forward process left behind
-        self.requests.close()
-        self.replies.close()
+        for rank in self.ranks:
+            rank.events_st.unlink()
+        ipc.remove_prefix(self.prefix)  # whatever the forward processes left behind
+        for rank in self.ranks:
+            rank.requests.close()
+            rank.replies.close()
+        self._store = None
 
     def kill_now(self) -> None:
-        """Kill the forward process, then unlink every segment and the channels' sockets."""
+        """Kill the forward processes, then unlink every segment and the channels' sockets."""
         with contextlib.suppress(Exception):
-            _stop_process(self.proc, 1)
+            for rank in self.ranks:
+                stop_process(rank.proc, 1)
             self.close()
-        for ch in (self.requests, self.replies):
-            ipc.remove_ipc_endpoint(ch.endpoint)
-
-
-def _stop_process(proc: mp.process.BaseProcess, wait_s: float = 5) -> None:
-    if proc.is_alive():
-        proc.kill()
-        proc.join(wait_s)
-
-
-def _drop_channel(ch: ipc.Channel) -> None:
-    ch.close()
-    ipc.remove_ipc_endpoint(ch.endpoint)
+        for rank in self.ranks:
+            for ch in (rank.requests, rank.replies):
+                ipc.remove_ipc_endpoint(ch.endpoint)
 
 
 def _specs(args: ServerArgs, config: ModelConfig):

@@ -16,10 +16,18 @@ p + j + 1 positions up to itself, which sums to e·(p + (e + 1)/2) query-key pai
 of kv_row = 2·kv_heads·d·b bytes) and writes e rows. Each part takes
 max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth); a layer never finishes faster
 than its kernels' launch floor. The head computes logits for R requests' last tokens only.
+
+Tensor parallel over N GPUs (`tp`): each rank runs the layer of `ModelShape.shard(N)` (its
+heads, KV heads and MLP rows, a 1/N vocabulary slice of the head), then the layer's two
+all-reduces of the T x hidden activations (after o_proj and after down_proj) and the
+head's all-gather of the logits cross the GPUs' interconnect. A ring all-reduce of B
+bytes moves 2·(N-1)/N·B through each GPU's link, an all-gather (N-1)/N·B; each collective
+also pays a fixed latency. The ranks run in lockstep, so one rank's time is the group's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -47,6 +55,12 @@ HIDDEN_PASSES = 10
 # gate_up writes 2·I, act reads 2·I and writes I, down reads I.
 INTERMEDIATE_PASSES = 6
 LOGIT_BYTES = 4  # logits are float32 for sampling
+# NCCL's ring collectives reach about 80% of the NVLink per-direction bandwidth.
+LINK_EFFICIENCY = 0.8
+# Launch and synchronisation of one collective across the group (small-message floor).
+COLLECTIVE_LATENCY_S = 10e-6
+# All-reduces per layer: after o_proj and after down_proj.
+ALLREDUCES_PER_LAYER = 2
 CONFIG_NAME = "config.json"
 
 
@@ -60,10 +74,17 @@ class GpuSpec:
     attention_efficiency: float = ATTENTION_EFFICIENCY
     memory_efficiency: float = MEMORY_EFFICIENCY
     kernel_floor_s: float = KERNEL_FLOOR_S
+    link_bandwidth: float = 450e9  # NVLink bytes/s per direction per GPU
+    link_efficiency: float = LINK_EFFICIENCY
+    collective_latency_s: float = COLLECTIVE_LATENCY_S
 
     def __post_init__(self):
         if self.flops <= 0 or self.bandwidth <= 0 or self.kernel_floor_s < 0:
             raise ValueError(f"{self.name}: FLOP/s, bandwidth must be positive; floor not negative")
+        if self.link_bandwidth <= 0 or self.collective_latency_s < 0:
+            raise ValueError(f"{self.name}: link bandwidth must be positive, latency not negative")
+        if not 0 < self.link_efficiency <= 1:
+            raise ValueError(f"{self.name}: link efficiency must lie in (0, 1]")
         effs = (self.gemm_efficiency, self.attention_efficiency, self.memory_efficiency)
         if not all(0 < e <= 1 for e in effs):
             raise ValueError(f"{self.name}: efficiencies must lie in (0, 1]")
@@ -80,11 +101,17 @@ class GpuSpec:
     def memory_bandwidth(self) -> float:
         return self.bandwidth * self.memory_efficiency
 
+    @property
+    def link_rate(self) -> float:
+        """Bytes/s a collective achieves through one GPU's link."""
+        return self.link_bandwidth * self.link_efficiency
 
+
+# NVLink 4 (H100, H200): 900 GB/s both ways per GPU; NVLink 5 (B200): 1.8 TB/s.
 GPUS = {
-    "h100": GpuSpec("h100", flops=989e12, bandwidth=3.35e12),
-    "h200": GpuSpec("h200", flops=989e12, bandwidth=4.8e12),
-    "b200": GpuSpec("b200", flops=2250e12, bandwidth=8e12),
+    "h100": GpuSpec("h100", flops=989e12, bandwidth=3.35e12, link_bandwidth=450e9),
+    "h200": GpuSpec("h200", flops=989e12, bandwidth=4.8e12, link_bandwidth=450e9),
+    "b200": GpuSpec("b200", flops=2250e12, bandwidth=8e12, link_bandwidth=900e9),
 }
 
 
@@ -130,6 +157,24 @@ class ModelShape:
     def kv_bytes_per_token(self) -> int:
         """K and V of one token in one layer."""
         return 2 * self.kv_width * self.dtype_bytes
+
+    def shard(self, tp: int) -> ModelShape:
+        """One rank's shape at tensor parallel `tp`: its heads, KV heads (one, replicated,
+        below `tp` KV heads), MLP rows and vocabulary slice."""
+        if tp < 1:
+            raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
+        if tp == 1:
+            return self
+        kv = self.num_kv_heads
+        if self.num_heads % tp or self.intermediate % tp or (kv % tp if kv >= tp else tp % kv):
+            raise ValueError(f"{self.name or 'model'}: its heads and MLP do not split over {tp}")
+        return dataclasses.replace(
+            self,
+            num_heads=self.num_heads // tp,
+            num_kv_heads=max(1, kv // tp),
+            intermediate=self.intermediate // tp,
+            vocab=math.ceil(self.vocab / tp),
+        )
 
     @classmethod
     def from_hf_config(cls, config: str | os.PathLike | Mapping[str, Any]) -> ModelShape:
@@ -203,6 +248,7 @@ PRESETS = {
     "Qwen2.5-0.5B": ModelShape(24, 896, 4864, 14, 2, 64, 151936, name="Qwen2.5-0.5B"),
     "Llama-3.1-8B": ModelShape(32, 4096, 14336, 32, 8, 128, 128256, name="Llama-3.1-8B"),
     "Qwen2.5-14B": ModelShape(48, 5120, 13824, 40, 8, 128, 152064, name="Qwen2.5-14B"),
+    "Llama-3.1-70B": ModelShape(80, 8192, 28672, 64, 8, 128, 128256, name="Llama-3.1-70B"),
 }
 
 
@@ -217,24 +263,60 @@ def resolve_shape(spec: str) -> ModelShape:
 
 
 def layer_time_s(
-    shape: ModelShape, gpu: GpuSpec, extend_lens: Sequence[int], prefix_lens: Sequence[int]
+    shape: ModelShape,
+    gpu: GpuSpec,
+    extend_lens: Sequence[int],
+    prefix_lens: Sequence[int],
+    tp: int = 1,
 ) -> float:
-    """Seconds of one decoder layer over a ragged prefill batch (see the module table)."""
+    """Seconds of one decoder layer over a ragged prefill batch (see the module table), on
+    each of `tp` tensor-parallel GPUs, its all-reduces included."""
+    return sum(layer_parts_s(shape, gpu, extend_lens, prefix_lens, tp))
+
+
+def layer_parts_s(
+    shape: ModelShape,
+    gpu: GpuSpec,
+    extend_lens: Sequence[int],
+    prefix_lens: Sequence[int],
+    tp: int = 1,
+) -> tuple[float, float]:
+    """(compute, all-reduce) seconds of one layer on one of `tp` GPUs."""
     _check_batch(extend_lens, prefix_lens)
-    busy = _linear_time_s(shape, gpu, sum(extend_lens))
-    busy += _attention_time_s(shape, gpu, extend_lens, prefix_lens)
-    return max(busy, KERNELS_PER_LAYER * gpu.kernel_floor_s)
+    rank = shape.shard(tp)
+    busy = _linear_time_s(rank, gpu, sum(extend_lens))
+    busy += _attention_time_s(rank, gpu, extend_lens, prefix_lens)
+    compute = max(busy, KERNELS_PER_LAYER * gpu.kernel_floor_s)
+    activations = sum(extend_lens) * shape.hidden * shape.dtype_bytes
+    return compute, ALLREDUCES_PER_LAYER * allreduce_time_s(gpu, activations, tp)
 
 
-def head_time_s(shape: ModelShape, gpu: GpuSpec, num_reqs: int) -> float:
-    """Seconds of the final norm and LM head on each request's last position."""
+def head_time_s(shape: ModelShape, gpu: GpuSpec, num_reqs: int, tp: int = 1) -> float:
+    """Seconds of the final norm and LM head on each request's last position (at `tp`, a
+    vocabulary slice per GPU, then the all-gather of the logits)."""
     if num_reqs <= 0:
         raise ValueError(f"num_reqs must be positive, got {num_reqs}")
-    flops = 2 * num_reqs * shape.hidden * shape.vocab
-    weights = shape.vocab * shape.hidden * shape.dtype_bytes
-    nbytes = weights + num_reqs * shape.vocab * LOGIT_BYTES
+    rank = shape.shard(tp)
+    flops = 2 * num_reqs * rank.hidden * rank.vocab
+    weights = rank.vocab * rank.hidden * rank.dtype_bytes
+    nbytes = weights + num_reqs * rank.vocab * LOGIT_BYTES
     busy = _part_time_s(flops, gpu.gemm_flops, nbytes, gpu.memory_bandwidth)
-    return max(busy, KERNELS_PER_HEAD * gpu.kernel_floor_s)
+    gather = allgather_time_s(gpu, num_reqs * shape.vocab * LOGIT_BYTES, tp)
+    return max(busy, KERNELS_PER_HEAD * gpu.kernel_floor_s) + gather
+
+
+def allreduce_time_s(gpu: GpuSpec, nbytes: float, tp: int) -> float:
+    """A ring all-reduce of `nbytes` over `tp` GPUs (0 on one)."""
+    if tp == 1:
+        return 0.0
+    return 2 * (tp - 1) / tp * nbytes / gpu.link_rate + gpu.collective_latency_s
+
+
+def allgather_time_s(gpu: GpuSpec, nbytes: float, tp: int) -> float:
+    """A ring all-gather whose result is `nbytes` on every one of `tp` GPUs (0 on one)."""
+    if tp == 1:
+        return 0.0
+    return (tp - 1) / tp * nbytes / gpu.link_rate + gpu.collective_latency_s
 
 
 def _check_batch(extend_lens: Sequence[int], prefix_lens: Sequence[int]) -> None:

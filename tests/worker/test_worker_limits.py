@@ -102,9 +102,9 @@ def test_the_forward_process_refuses_a_sample_of_another_forward(process_worker)
     w = process_worker
     w.submit(_deferred(1, [5, 6, 7], [0, 1, 2]))
     w.collect(timeout=30)
-    w._put(Sample(7))
+    w._put(w.ranks[0], Sample(7))
     with pytest.raises(WorkerDied, match="Sample 7, but the deferred forward before it is 1"):
-        w._get(30)
+        w._get(w.ranks[0], 30)
 
 
 def test_a_failed_start_leaves_no_process_segment_or_socket(tmp_path):

@@ -1,0 +1,180 @@
+"""Tensor parallelism, Megatron-style, over torch.distributed: which shard of the decoder
+a rank holds, and the layers whose outputs need a collective.
+
+| weight             | split      | rank r of N holds                          | then       |
+|--------------------|------------|--------------------------------------------|------------|
+| embed_tokens       | vocab rows | rows [r * V', (r + 1) * V'), V' = ceil(V/N) | all-reduce |
+| q_proj             | heads      | query heads [r * H / N, (r + 1) * H / N)   |            |
+| k_proj, v_proj     | KV heads   | KV / N heads; when KV < N, the one its     |            |
+|                    |            | query heads read (held by N / KV ranks)    |            |
+| o_proj             | columns    | the columns of its query heads             | all-reduce |
+| gate_proj, up_proj | rows       | rows [r * I / N, (r + 1) * I / N)          |            |
+| down_proj          | columns    | the columns of its gate/up rows            | all-reduce |
+| lm_head            | vocab rows | as embed_tokens (tied: the same tensor)    | all-gather |
+| norms, o_proj bias | none       | all of it                                  |            |
+
+Every rank sees the whole hidden state between layers and the whole logits at the end;
+its KV pool holds only its KV heads. At one rank the model has none of these layers and
+calls no collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mpprefill.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """This process's place in a tensor-parallel group (`group`: None is the default
+    process group)."""
+
+    rank: int
+    size: int
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} of {self.size} is out of range")
+
+    def heads(self, config: ModelConfig) -> range:
+        """The query heads this rank computes."""
+        n = config.num_attention_heads // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def kv_heads(self, config: ModelConfig) -> range:
+        """The KV heads this rank holds; with fewer KV heads than ranks each is held by
+        size / KV ranks, the ones whose query heads read it."""
+        kv = config.num_key_value_heads
+        if kv >= self.size:
+            n = kv // self.size
+            return range(self.rank * n, (self.rank + 1) * n)
+        head = self.rank // (self.size // kv)
+        return range(head, head + 1)
+
+    def intermediate(self, config: ModelConfig) -> range:
+        n = config.intermediate_size // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def vocab_shard(self, config: ModelConfig) -> int:
+        """Rows of each rank's embedding (the last rank's tail is zero padding)."""
+        return math.ceil(config.vocab_size / self.size)
+
+    def vocab(self, config: ModelConfig) -> range:
+        n = self.vocab_shard(config)
+        return range(
+            min(self.rank * n, config.vocab_size), min((self.rank + 1) * n, config.vocab_size)
+        )
+
+
+def check_shardable(config: ModelConfig, size: int) -> None:
+    """Raise unless the model splits evenly over `size` ranks."""
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    problems = []
+    if heads % size:
+        problems.append(f"num_attention_heads ({heads}) is not a multiple of it")
+    if kv >= size and kv % size:
+        problems.append(f"num_key_value_heads ({kv}) is not a multiple of it")
+    if kv < size and size % kv:
+        problems.append(f"it is not a multiple of num_key_value_heads ({kv})")
+    if config.intermediate_size % size:
+        problems.append(f"intermediate_size ({config.intermediate_size}) is not a multiple of it")
+    if problems:
+        raise ValueError(f"--tp-size {size}: " + "; ".join(problems))
+
+
+def shard_config(config: ModelConfig, tp: TPRank) -> ModelConfig:
+    """The shape of one rank's attention and MLP (and of its KV pool): its heads, its KV
+    heads, its slice of the MLP; hidden size and vocabulary stay whole."""
+    check_shardable(config, tp.size)
+    return dataclasses.replace(
+        config,
+        num_attention_heads=len(tp.heads(config)),
+        num_key_value_heads=len(tp.kv_heads(config)),
+        intermediate_size=len(tp.intermediate(config)),
+        head_dim=config.head_size,
+    )
+
+
+class RowParallelLinear(nn.Module):
+    """y = x_r W_r^T summed over ranks, plus the bias once: the input is this rank's slice
+    of the features (its heads, its MLP rows), the output whole."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPRank) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.tp.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank looks up the ids in its vocabulary rows, zeros elsewhere; summed."""
+
+    def __init__(self, config: ModelConfig, tp: TPRank) -> None:
+        super().__init__()
+        self.tp = tp
+        self.rows = tp.vocab(config)
+        self.weight = nn.Parameter(torch.empty(tp.vocab_shard(config), config.hidden_size))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.rows.start
+        outside = (local < 0) | (local >= len(self.rows))
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside[:, None], 0)
+        dist.all_reduce(x, group=self.tp.group)
+        return x
+
+
+class VocabParallelHead(nn.Module):
+    """Each rank's vocabulary rows of the logits, gathered whole on every rank."""
+
+    def __init__(self, config: ModelConfig, tp: TPRank) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = config.vocab_size
+        self.weight = nn.Parameter(torch.empty(tp.vocab_shard(config), config.hidden_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        local = F.linear(x, self.weight).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.tp.size)]
+        dist.all_gather(parts, local, group=self.tp.group)
+        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TPRank | None) -> nn.Module:
+    """A plain Linear at one rank; a row-parallel one (with its all-reduce) at several."""
+    if tp is None or tp.size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+def init_tp_group(
+    rank: int, size: int, store_addr: tuple[str, int], backend: str, timeout_s: float
+) -> TPRank:
+    """Join the default process group through the TCP store at `store_addr` (its server
+    runs in the process that started the ranks). A collective that waits longer than
+    `timeout_s` for a peer (dead or hung) raises."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    host, port = store_addr
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    return TPRank(rank, size)
+
+
+def tp_backend(device: str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
