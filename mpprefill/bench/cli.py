@@ -15,6 +15,10 @@ logger = logging.getLogger(__name__)
 _NOT_BENCH_FLAGS = (
     "host",
     "port",
+    "zmq_port",
+    "disable_http_front",
+    "tokenizer_path",
+    "skip_tokenizer_init",
     "forward_mode",
     "decode_address",
     "trace_dir",

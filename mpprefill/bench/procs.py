@@ -55,11 +55,19 @@ class Child:
             return ""
 
 
-def _start(name: str, flags: list[str], log_dir: str, timeout: float, probe) -> Child:
-    """Spawn `mpprefill name`, then call probe(client) until it stops timing out."""
+# NOTE: serve's --port is its HTTP front's; the bench talks to its ZeroMQ socket and starts
+# the front itself where it needs one (`--front http`).
+SERVE_SOCKET_FLAGS = ("--disable-http-front", "--zmq-port")
+
+
+def _start(
+    name: str, flags: list[str], log_dir: str, timeout: float, probe, port_flags=("--port",)
+) -> Child:
+    """Spawn `mpprefill name` with its socket on a free port, then call probe(client) until
+    it stops timing out."""
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}-{port}.log")
-    cmd = [sys.executable, "-m", "mpprefill", name, *flags, "--port", str(port)]
+    cmd = [sys.executable, "-m", "mpprefill", name, *flags, *port_flags, str(port)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     child = Child(name, proc, port, log_path)
@@ -72,7 +80,8 @@ def _start(name: str, flags: list[str], log_dir: str, timeout: float, probe) -> 
 
 
 def start_server(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
-    return _start("serve", flags, log_dir, timeout, lambda client: client.stats(timeout=1.0))
+    probe = lambda client: client.stats(timeout=1.0)  # noqa: E731
+    return _start("serve", flags, log_dir, timeout, probe, SERVE_SOCKET_FLAGS)
 
 
 def start_decode(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
