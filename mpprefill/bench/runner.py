@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
+
 from mpprefill.bench import stats
 from mpprefill.bench.procs import Child, start_decode, start_server
-from mpprefill.bench.progress import Progress
 from mpprefill.bench.router import ReqResult, Router
 from mpprefill.bench.workload import Workload, random_prompts
 from mpprefill.config import ServerArgs
+from mpprefill.scheduling.metrics import SCHED_PHASES
 from mpprefill.server.client import Client
 
-SCHED_PHASES = ("A", "P", "S", "snapshot", "submit", "early-send", "inflight")
 _DECODE_VALUES = (
     "page_size",
     "max_total_tokens",
@@ -126,19 +128,26 @@ def _measure(cfg: BenchConfig, mode: str, work: Workload, server: Child, decode:
         )
         router.run(warm.requests, room_base=1 << 40, timeout=cfg.timeout_s)
         before = client.stats()
-        bar = Progress(len(work), desc=f"{mode:>12}")
-        results = router.run(
-            work.requests,
-            room_base=1 << 20,
-            timeout=cfg.timeout_s,
-            on_complete=lambda r: bar.update(1),
-        )
-        bar.close()
+        with progress_bar(len(work), mode) as bar:
+            results = router.run(
+                work.requests,
+                room_base=1 << 20,
+                timeout=cfg.timeout_s,
+                on_complete=lambda r: bar.update(1),
+            )
         after = client.stats()
     finally:
         router.close()
         client.close()
     return summarize_run(mode, results, before, after)
+
+
+def progress_bar(total: int, mode: str) -> tqdm:
+    """Requests done, on stderr: redrawn on a terminal, a line every 30 s in a log."""
+    tty = sys.stderr.isatty()
+    return tqdm(
+        total=total, desc=f"{mode:>12}", unit="req", file=sys.stderr, mininterval=0.2 if tty else 30
+    )
 
 
 def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict) -> dict:
