@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -35,8 +36,9 @@ def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> int:
 class Child:
     name: str
     proc: subprocess.Popen
-    port: int
+    port: int  # its ZeroMQ socket
     log_path: str
+    http_port: int | None = None  # serve's HTTP front, where it runs one
 
     def stop(self, timeout: float = 10.0) -> int:
         return terminate(self.proc, timeout)
@@ -79,9 +81,35 @@ def _start(
     return child
 
 
-def start_server(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
-    probe = lambda client: client.stats(timeout=1.0)  # noqa: E731
-    return _start("serve", flags, log_dir, timeout, probe, SERVE_SOCKET_FLAGS)
+def start_server(
+    flags: list[str], log_dir: str, timeout: float = 120.0, http: bool = False
+) -> Child:
+    """`mpprefill serve` on a free --zmq-port; with `http`, its HTTP front on a free --port
+    too, ready once /health answers."""
+    if not http:
+        probe = lambda client: client.stats(timeout=1.0)  # noqa: E731
+        return _start("serve", flags, log_dir, timeout, probe, SERVE_SOCKET_FLAGS)
+    http_port = free_port()
+    probe = lambda client: client.stats(timeout=1.0) and _http_health(http_port)  # noqa: E731
+    flags = [*flags, "--port", str(http_port)]
+    child = _start("serve", flags, log_dir, timeout, probe, ("--zmq-port",))
+    child.http_port = http_port
+    return child
+
+
+def _http_health(port: int) -> bool:
+    """TimeoutError until the HTTP front answers GET /health with 200."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
+    try:
+        conn.request("GET", "/health")
+        if conn.getresponse().status == 200:
+            return True
+    except OSError:
+        pass
+    finally:
+        conn.close()
+    time.sleep(0.1)
+    raise TimeoutError(f"no HTTP front on port {port} yet")
 
 
 def start_decode(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:

@@ -8,9 +8,11 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
+import zmq
 from tqdm import tqdm
 
 from mpprefill.bench import stats
+from mpprefill.bench.http_bridge import HttpBridge
 from mpprefill.bench.procs import Child, start_decode, start_server
 from mpprefill.bench.router import ReqResult, Router
 from mpprefill.bench.workload import Workload, random_prompts
@@ -98,8 +100,11 @@ def _switches(args, *names: str) -> list[str]:
     return [_flag(n) for n in names if getattr(args, n)]
 
 
-def run_mode(cfg: BenchConfig, mode: str, work: Workload, record: str | None = None) -> dict:
-    """Fresh decode + server for `mode`; returns the CONTRACT run record."""
+def run_mode(
+    cfg: BenchConfig, mode: str, work: Workload, record: str | None = None, front: str = "zmq"
+) -> dict:
+    """Fresh decode + server for `mode`; returns the CONTRACT run record. `front`: the
+    requests go to serve's ZeroMQ socket, or through its HTTP front ("http")."""
     decode = None
     flags = cfg.server_flags(mode, record)
     if cfg.server.disaggregation_transfer_backend != "fake":
@@ -107,10 +112,11 @@ def run_mode(cfg: BenchConfig, mode: str, work: Workload, record: str | None = N
         flags += ["--decode-address", f"127.0.0.1:{decode.port}"]
     children = [decode] if decode else []
     try:
-        server = start_server(flags, cfg.log_dir)
+        server = start_server(flags, cfg.log_dir, http=front == "http")
         children.insert(0, server)
         run = _measure(cfg, mode, work, server, decode)
         run["device"] = cfg.server.device_label
+        run["front"] = front
     finally:
         leaks = _shutdown(children)
     leaks["invariants_ok"] = bool(run["invariants"].get("ok", False))
@@ -120,7 +126,11 @@ def run_mode(cfg: BenchConfig, mode: str, work: Workload, record: str | None = N
 
 
 def _measure(cfg: BenchConfig, mode: str, work: Workload, server: Child, decode: Child | None):
-    router = Router(server.port, decode.port if decode else None)
+    bridge = None
+    if server.http_port is not None:
+        bridge = HttpBridge(zmq.Context.instance(), server.http_port, cfg.timeout_s)
+    decode_port = decode.port if decode else None
+    router = Router(server.port, decode_port, bridge.endpoint if bridge else None)
     client = Client(f"127.0.0.1:{server.port}")
     try:
         warm = random_prompts(
@@ -139,6 +149,8 @@ def _measure(cfg: BenchConfig, mode: str, work: Workload, server: Child, decode:
     finally:
         router.close()
         client.close()
+        if bridge is not None:
+            bridge.close()
     return summarize_run(mode, results, before, after)
 
 
