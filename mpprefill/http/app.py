@@ -313,9 +313,10 @@ def _error_event(e: Exception) -> dict[str, Any]:
 
 def _control_response(reply: dict[str, Any]) -> Response:
     status = 200 if reply.get("success") else 400
-    return JSONResponse(
-        {"success": bool(reply.get("success")), "message": reply.get("message")}, status
-    )
+    body = {"success": bool(reply.get("success")), "message": reply.get("message")}
+    if "files" in reply:
+        body["files"] = reply["files"]
+    return JSONResponse(body, status)
 
 
 def build_app(args: HttpArgs, tokenizer: TextTokenizer | None) -> FastAPI:

@@ -116,8 +116,9 @@ class FlushCache:
 
 @dataclass(frozen=True, slots=True)
 class StartProfile:
-    """Trace the scheduler and forward processes (and torch in the forward's process) into
-    `output_dir` until StopProfile, or for `num_steps` forwards when given."""
+    """Trace the scheduler and forward processes into `output_dir` until StopProfile, or
+    for `num_steps` forwards when given; `activities` (SGLang's) run torch's profiler in
+    the forward's process too (none: spans only)."""
 
     rid: str | None
     output_dir: str
@@ -130,7 +131,7 @@ class StopProfile:
     rid: str | None = None
 
 
-PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM", "TRACE")
+PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")  # SGLang's torch profiler activities
 MAX_PATH_CHARS = 4096
 
 
@@ -212,7 +213,8 @@ def _start_profile(obj: dict[str, Any], rid: str | None) -> StartProfile:
     steps = obj.get("num_steps")
     if steps is not None and (type(steps) is not int or steps < 1):
         raise ProtocolError("num_steps must be a positive integer or null", rid)
-    acts = obj.get("activities") or ["CPU", "GPU"]
+    acts = obj.get("activities")
+    acts = ["CPU", "GPU"] if acts is None else acts
     if not isinstance(acts, list) or not all(a in PROFILE_ACTIVITIES for a in acts):
         raise ProtocolError(f"activities must be a list of {PROFILE_ACTIVITIES}", rid)
     return StartProfile(rid, out, steps, tuple(acts))

@@ -25,6 +25,7 @@ from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.scheduling.stats import scheduler_stats
 from mpprefill.server import protocol, signals
 from mpprefill.server.http_front import HttpFrontProcess
+from mpprefill.server.profiling import RuntimeProfiler
 from mpprefill.server.protocol import Code
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
@@ -77,6 +78,8 @@ class PrefillServer:
         self._closing_code = Code.UNAVAILABLE
         self.exit_code = 0
         self.gc = GcWatch().install()
+        forward_pid = self.worker.pid if self.mode in ("proc", "proc-ahead") else None
+        self.profiler = RuntimeProfiler(forward_pid)
         if not args.disable_http_front:
             self.front = HttpFrontProcess(args)
 
@@ -84,6 +87,7 @@ class PrefillServer:
 
     def _recv(self) -> list[Req]:
         self._check_worker()
+        self.profiler.poll(self.scheduler.metrics.num_batches)
         self._read_frames()
         reqs, self._arriving = list(self._arriving.values()), {}
         return reqs
@@ -140,6 +144,13 @@ class PrefillServer:
         elif isinstance(msg, protocol.FlushCache):
             ok, why = self._flush_cache()
             self._send(ident, protocol.control_reply(msg.rid, "flush_cache", ok, why))
+        elif isinstance(msg, protocol.StartProfile):
+            ok, why = self.profiler.start(msg, self.scheduler.metrics.num_batches)
+            self._send(ident, protocol.control_reply(msg.rid, "start_profile", ok, why))
+        elif isinstance(msg, protocol.StopProfile):
+            ok, why, files = self.profiler.stop()
+            reply = protocol.control_reply(msg.rid, "stop_profile", ok, why, files=files)
+            self._send(ident, reply)
 
     def _abort(self, ident: bytes, rid: str) -> None:
         if self._owner.get(rid) != ident:  # another client's request is unknown to this one
@@ -297,6 +308,8 @@ class PrefillServer:
         t0 = time.monotonic()
         if self.front is not None:
             self.front.stop()
+        if self.profiler.active is not None:
+            logger.info("profile stopped at shutdown: %s", self.profiler.stop()[1])
         if self.args.trace_dir:
             os.makedirs(self.args.trace_dir, exist_ok=True)
             get_tracer().dump(self.args.trace_dir)
