@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import tempfile
@@ -21,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -33,6 +33,14 @@ from mpprefill.http.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 BIG_BODY_BYTES = 1 << 20  # bodies parsed on a thread, so the event loop keeps serving
+
+
+class FastJSONResponse(JSONResponse):
+    """Bodies through orjson: 3x faster to parse and 15x to write than the standard
+    library's for /generate's bodies (scripts/bench_http_json.py)."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
 
 
 class ClientGone(Exception):
@@ -68,7 +76,7 @@ class HttpFront:
             events = self._events(items, body.batch, t0)
             return StreamingResponse(events, media_type="text/event-stream")
         replies = await until_disconnect(request, self._generate_all(items, t0))
-        return JSONResponse(replies if body.batch else replies[0])
+        return FastJSONResponse(replies if body.batch else replies[0])
 
     async def _generate_all(self, items: list[bodies.GenerateItem], t0: float) -> list[dict]:
         """Every prompt's body in order; a batch with a failed prompt fails with the first."""
@@ -274,9 +282,9 @@ async def read_json(request: Request, limit: int, empty: Any = None) -> Any:
         return empty
     try:
         if size > BIG_BODY_BYTES:
-            return await asyncio.to_thread(json.loads, data)
-        return json.loads(data)
-    except (ValueError, RecursionError):
+            return await asyncio.to_thread(orjson.loads, data)
+        return orjson.loads(data)
+    except (ValueError, RecursionError):  # orjson.JSONDecodeError is a ValueError
         raise bad_request("the body is not JSON (or nests too deeply)") from None
 
 
@@ -301,7 +309,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def _error_event(e: Exception) -> dict[str, Any]:
@@ -316,7 +324,7 @@ def _control_response(reply: dict[str, Any]) -> Response:
     body = {"success": bool(reply.get("success")), "message": reply.get("message")}
     if "files" in reply:
         body["files"] = reply["files"]
-    return JSONResponse(body, status)
+    return FastJSONResponse(body, status)
 
 
 def build_app(args: HttpArgs, tokenizer: TextTokenizer | None) -> FastAPI:
@@ -354,13 +362,13 @@ def _add_routes(app: FastAPI, front: HttpFront) -> None:
 
 def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, e: HttpError) -> Response:
-        return JSONResponse(e.body(), status_code=e.status)
+        return FastJSONResponse(e.body(), status_code=e.status)
 
     async def client_gone(request: Request, e: ClientGone) -> Response:
         return Response(status_code=499)
 
     async def internal(request: Request, e: Exception) -> Response:  # logged by the server
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), 500)
+        return FastJSONResponse(error_body(500, f"internal error: {type(e).__name__}"), 500)
 
     app.add_exception_handler(HttpError, http_error)
     app.add_exception_handler(ClientGone, client_gone)

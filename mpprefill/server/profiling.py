@@ -58,6 +58,11 @@ class RuntimeProfiler:
         logger.info("profiling into %s (%s steps)", msg.output_dir, msg.num_steps or "until stop")
         return True, f"profiling into {msg.output_dir}"
 
+    def forget_forward_process(self) -> None:
+        """The forward process is killed at once: its control socket's file goes here."""
+        if self.control is not None:
+            self.control.remove_endpoint()
+
     def poll(self, num_batches: int) -> None:
         """Stop a num_steps profile once that many forwards ran."""
         if self._stop_at is not None and num_batches >= self._stop_at:

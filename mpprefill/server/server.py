@@ -47,6 +47,7 @@ class PrefillServer:
         self._stop = False
         self.worker = None
         self.front: HttpFrontProcess | None = None
+        self.profiler: RuntimeProfiler | None = None
         self.t_start = time.monotonic()
         signals.install(self._on_signal, self._exit_now)
         if args.trace_dir:
@@ -302,6 +303,8 @@ class PrefillServer:
         if self.front is not None:
             self.front.kill()
         if self.worker is not None:
+            if self.profiler is not None:
+                self.profiler.forget_forward_process()
             self.worker.kill_now()
 
     def close(self) -> None:

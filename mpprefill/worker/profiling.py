@@ -125,6 +125,12 @@ class ProfileControl:
         self.ctx = zmq.Context.instance()
         self.endpoint = control_endpoint(pid)
 
+    def remove_endpoint(self) -> None:
+        """Remove the control socket's file: the forward process is being killed at once
+        and cannot (its runtime dir must be left empty)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.endpoint.removeprefix("ipc://"))
+
     def request(self, cmd: dict[str, Any], timeout: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
         sock = self.ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
