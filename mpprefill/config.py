@@ -41,8 +41,20 @@ class ServerArgs:
     disaggregation_transfer_backend: str = _f(
         "fake", "how KV reaches the decode side", choices=TRANSFER_BACKENDS
     )
-    host: str = _f("127.0.0.1", "address the request socket binds to")
-    port: int = _f(30100, "request socket port")
+    host: str = _f("127.0.0.1", "address the HTTP front and the request socket bind to")
+    port: int = _f(30000, "HTTP port: SGLang's API, served by the HTTP front process")
+    zmq_port: int = _f(
+        30100, "the ZeroMQ JSON request socket's port (the HTTP front, bench and chaos use it)"
+    )
+    disable_http_front: bool = _f(
+        False, "serve the ZeroMQ request socket only: no HTTP front process (as the bench does)"
+    )
+    tokenizer_path: str | None = _f(
+        None, "the HTTP front's tokenizer dir, with tokenizer.json (default: --model-path)"
+    )
+    skip_tokenizer_init: bool = _f(
+        False, "the HTTP front takes and returns token ids only (the default without a model dir)"
+    )
     decode_address: str | None = _f(None, "decode receiver address host:port (shm/mooncake)")
     device: str = _f(
         "cpu",
@@ -160,6 +172,8 @@ class ServerArgs:
             raise ValueError(f"--emulate-gpu: one of {EMULATE_GPUS}")
         if self.staging not in STAGINGS:
             raise ValueError(f"--staging: one of {STAGINGS}")
+        if not self.disable_http_front and self.port == self.zmq_port:
+            raise ValueError(f"--port and --zmq-port are both {self.port}")
         if self.tp_size > 1:
             self._check_tp()
 

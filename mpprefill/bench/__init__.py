@@ -1,1 +1,1 @@
-"""Bench helpers: workloads, statistics, a progress bar."""
+"""The bench: workloads, the processes of a run, the router, statistics, the regime map."""

@@ -15,6 +15,10 @@ logger = logging.getLogger(__name__)
 _NOT_BENCH_FLAGS = (
     "host",
     "port",
+    "zmq_port",
+    "disable_http_front",
+    "tokenizer_path",
+    "skip_tokenizer_init",
     "forward_mode",
     "decode_address",
     "trace_dir",
@@ -79,6 +83,13 @@ def _bench_args(ap: argparse.ArgumentParser) -> None:
         help="runs per mode, interleaved across modes; the median run is reported",
     )
     ap.add_argument(
+        "--front",
+        choices=("zmq", "http"),
+        default="zmq",
+        help="http: run each mode through serve's HTTP front too, interleaved with its ZeroMQ"
+        " run, and report the front's cost in uncached ITPS",
+    )
+    ap.add_argument(
         "--bound-mode",
         default="proc-ahead",
         help="the mode whose batches are replayed for the forward bound",
@@ -109,6 +120,7 @@ def run_problems(result: dict) -> list[str]:
     could not verify: the numbers of such a run mean nothing."""
     runs = [r for res in result.get("points", [result]) for r in res["runs"]]
     out = []
+    runs += [r for res in result.get("points", [result]) for r in res.get("http_runs", [])]
     for r in runs:
         what = [f"{r['num_failed']} failed requests"] if r["num_failed"] else []
         what += [f"{r['num_unverified']} replies failed --verify"] if r["num_unverified"] else []

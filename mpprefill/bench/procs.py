@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -35,8 +36,9 @@ def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> int:
 class Child:
     name: str
     proc: subprocess.Popen
-    port: int
+    port: int  # its ZeroMQ socket
     log_path: str
+    http_port: int | None = None  # serve's HTTP front, where it runs one
 
     def stop(self, timeout: float = 10.0) -> int:
         return terminate(self.proc, timeout)
@@ -55,14 +57,19 @@ class Child:
             return ""
 
 
+# NOTE: serve's --port is its HTTP front's; the bench talks to its ZeroMQ socket and starts
+# the front itself where it needs one (`--front http`).
+SERVE_SOCKET_FLAGS = ("--disable-http-front", "--zmq-port")
+
+
 def _start(
-    name: str, flags: list[str], log_dir: str, timeout: float, probe, port_flag: str = "--port"
+    name: str, flags: list[str], log_dir: str, timeout: float, probe, port_flags=("--port",)
 ) -> Child:
-    """Spawn `mpprefill name` with `port_flag` a free port, then call probe(client) on that
-    port until it stops timing out."""
+    """Spawn `mpprefill name` with its socket on a free port, then call probe(client) until
+    it stops timing out."""
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}-{port}.log")
-    cmd = [sys.executable, "-m", "mpprefill", name, *flags, port_flag, str(port)]
+    cmd = [sys.executable, "-m", "mpprefill", name, *flags, *port_flags, str(port)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     child = Child(name, proc, port, log_path)
@@ -74,14 +81,41 @@ def _start(
     return child
 
 
-def start_server(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
-    return _start("serve", flags, log_dir, timeout, lambda client: client.stats(timeout=1.0))
+def start_server(
+    flags: list[str], log_dir: str, timeout: float = 120.0, http: bool = False
+) -> Child:
+    """`mpprefill serve` on a free --zmq-port; with `http`, its HTTP front on a free --port
+    too, ready once /health answers."""
+    if not http:
+        probe = lambda client: client.stats(timeout=1.0)  # noqa: E731
+        return _start("serve", flags, log_dir, timeout, probe, SERVE_SOCKET_FLAGS)
+    http_port = free_port()
+    probe = lambda client: client.stats(timeout=1.0) and _http_health(http_port)  # noqa: E731
+    flags = [*flags, "--port", str(http_port)]
+    child = _start("serve", flags, log_dir, timeout, probe, ("--zmq-port",))
+    child.http_port = http_port
+    return child
+
+
+def _http_health(port: int) -> bool:
+    """TimeoutError until the HTTP front answers GET /health with 200."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
+    try:
+        conn.request("GET", "/health")
+        if conn.getresponse().status == 200:
+            return True
+    except OSError:
+        pass
+    finally:
+        conn.close()
+    time.sleep(0.1)
+    raise TimeoutError(f"no HTTP front on port {port} yet")
 
 
 def start_decode(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
     """A decode receiver without its HTTP front; `Child.port` is its receiver socket."""
     flags = ["--zmq-port", "0", *flags]  # its request socket, unused here: any free port
-    return _start("decode", flags, log_dir, timeout, _ping, "--receiver-port")
+    return _start("decode", flags, log_dir, timeout, _ping, ("--receiver-port",))
 
 
 def _ping(client: Client) -> None:

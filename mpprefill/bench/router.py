@@ -48,9 +48,18 @@ class ReqResult:
 class Router:
     """Open-loop sender: requests go out at their arrival times, replies are collected."""
 
-    def __init__(self, prefill_port: int, decode_port: int | None):
+    def __init__(
+        self, prefill_port: int | None, decode_port: int | None, prefill_endpoint: str | None = None
+    ):
+        """The prefill server's socket on `prefill_port`, or an inproc PAIR at
+        `prefill_endpoint` (the HTTP bridge, `http_bridge.py`)."""
         self.ctx = zmq.Context.instance()
-        self.prefill = dealer(self.ctx, prefill_port)
+        if prefill_endpoint is not None:
+            self.prefill = self.ctx.socket(zmq.PAIR)
+            self.prefill.setsockopt(zmq.LINGER, 0)
+            self.prefill.connect(prefill_endpoint)
+        else:
+            self.prefill = dealer(self.ctx, prefill_port)
         self.decode = dealer(self.ctx, decode_port) if decode_port is not None else None
         self.sockets = [s for s in (self.prefill, self.decode) if s is not None]
         self.poller = zmq.Poller()

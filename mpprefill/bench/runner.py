@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 
+import zmq
+from tqdm import tqdm
+
 from mpprefill.bench import stats
+from mpprefill.bench.http_bridge import HttpBridge
 from mpprefill.bench.procs import Child, start_decode, start_server
-from mpprefill.bench.progress import Progress
 from mpprefill.bench.router import ReqResult, Router
 from mpprefill.bench.workload import Workload, random_prompts
 from mpprefill.config import ServerArgs
+from mpprefill.scheduling.metrics import SCHED_PHASES
 from mpprefill.server.client import Client
 
-SCHED_PHASES = ("A", "P", "S", "snapshot", "submit", "early-send", "inflight")
 _DECODE_VALUES = (
     "page_size",
     "max_total_tokens",
@@ -96,8 +100,11 @@ def _switches(args, *names: str) -> list[str]:
     return [_flag(n) for n in names if getattr(args, n)]
 
 
-def run_mode(cfg: BenchConfig, mode: str, work: Workload, record: str | None = None) -> dict:
-    """Fresh decode + server for `mode`; returns the CONTRACT run record."""
+def run_mode(
+    cfg: BenchConfig, mode: str, work: Workload, record: str | None = None, front: str = "zmq"
+) -> dict:
+    """Fresh decode + server for `mode`; returns the CONTRACT run record. `front`: the
+    requests go to serve's ZeroMQ socket, or through its HTTP front ("http")."""
     decode = None
     flags = cfg.server_flags(mode, record)
     if cfg.server.disaggregation_transfer_backend != "fake":
@@ -105,10 +112,11 @@ def run_mode(cfg: BenchConfig, mode: str, work: Workload, record: str | None = N
         flags += ["--decode-address", f"127.0.0.1:{decode.port}"]
     children = [decode] if decode else []
     try:
-        server = start_server(flags, cfg.log_dir)
+        server = start_server(flags, cfg.log_dir, http=front == "http")
         children.insert(0, server)
         run = _measure(cfg, mode, work, server, decode)
         run["device"] = cfg.server.device_label
+        run["front"] = front
     finally:
         leaks = _shutdown(children)
     leaks["invariants_ok"] = bool(run["invariants"].get("ok", False))
@@ -118,7 +126,11 @@ def run_mode(cfg: BenchConfig, mode: str, work: Workload, record: str | None = N
 
 
 def _measure(cfg: BenchConfig, mode: str, work: Workload, server: Child, decode: Child | None):
-    router = Router(server.port, decode.port if decode else None)
+    bridge = None
+    if server.http_port is not None:
+        bridge = HttpBridge(zmq.Context.instance(), server.http_port, cfg.timeout_s)
+    decode_port = decode.port if decode else None
+    router = Router(server.port, decode_port, bridge.endpoint if bridge else None)
     client = Client(f"127.0.0.1:{server.port}")
     try:
         warm = random_prompts(
@@ -126,19 +138,28 @@ def _measure(cfg: BenchConfig, mode: str, work: Workload, server: Child, decode:
         )
         router.run(warm.requests, room_base=1 << 40, timeout=cfg.timeout_s)
         before = client.stats()
-        bar = Progress(len(work), desc=f"{mode:>12}")
-        results = router.run(
-            work.requests,
-            room_base=1 << 20,
-            timeout=cfg.timeout_s,
-            on_complete=lambda r: bar.update(1),
-        )
-        bar.close()
+        with progress_bar(len(work), mode) as bar:
+            results = router.run(
+                work.requests,
+                room_base=1 << 20,
+                timeout=cfg.timeout_s,
+                on_complete=lambda r: bar.update(1),
+            )
         after = client.stats()
     finally:
         router.close()
         client.close()
+        if bridge is not None:
+            bridge.close()
     return summarize_run(mode, results, before, after)
+
+
+def progress_bar(total: int, mode: str) -> tqdm:
+    """Requests done, on stderr: redrawn on a terminal, a line every 30 s in a log."""
+    tty = sys.stderr.isatty()
+    return tqdm(
+        total=total, desc=f"{mode:>12}", unit="req", file=sys.stderr, mininterval=0.2 if tty else 30
+    )
 
 
 def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict) -> dict:

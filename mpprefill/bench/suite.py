@@ -58,15 +58,18 @@ def run_bench(
         file=sys.stderr,
     )
     repeats = max(1, getattr(args, "repeats", 1))
-    trials: dict[str, list[dict]] = {m: [] for m in modes}
+    fronts = ("zmq", "http") if getattr(args, "front", "zmq") == "http" else ("zmq",)
+    trials: dict[tuple[str, str], list[dict]] = {(m, f): [] for m in modes for f in fronts}
     bounds = []
     for _ in range(repeats):  # modes interleaved, so drift in the machine hits all alike
         for m in modes:
-            run = run_mode(cfg, m, work, record if m == bound_mode else None)
-            trials[m].append(run)
-            if m == bound_mode:
-                bounds.append(_bound(record, run, server))
-    runs = [_median_run(trials[m]) for m in modes]
+            for f in fronts:
+                bound_run = m == bound_mode and f == "zmq"
+                run = run_mode(cfg, m, work, record if bound_run else None, front=f)
+                trials[m, f].append(run)
+                if bound_run:
+                    bounds.append(_bound(record, run, server))
+    runs = [_median_run(trials[m, "zmq"]) for m in modes]
     bound = sorted(bounds, key=lambda b: b["itps"])[len(bounds) // 2]
     result = {
         "config": _config(args, server, work, label),
@@ -74,8 +77,25 @@ def run_bench(
         "forward_bound": bound,
         "runs": runs,
     }
+    if "http" in fronts:
+        result["http_runs"] = [_median_run(trials[m, "http"]) for m in modes]
+        result["front_cost"] = front_cost(runs, result["http_runs"])
     print(format_table(result))
     return result
+
+
+def front_cost(zmq_runs: list[dict], http_runs: list[dict]) -> list[dict]:
+    """Per mode, the median runs' uncached ITPS through the HTTP front against ZeroMQ."""
+    return [
+        {
+            "mode": z["mode"],
+            "zmq_itps": z["uncached_itps"],
+            "http_itps": h["uncached_itps"],
+            "http_over_zmq": h["uncached_itps"] / z["uncached_itps"],
+            "ttft_p50_ms": {"zmq": z["ttft_ms"]["p50"], "http": h["ttft_ms"]["p50"]},
+        }
+        for z, h in zip(zmq_runs, http_runs)
+    ]
 
 
 def _gap(run: dict) -> str:
@@ -136,6 +156,12 @@ def format_table(result: dict) -> str:
         f"back to back): {bound:,.0f} uncached tokens/s; times are ms per batch, gap is the "
         "median hand-off gap"
     )
+    for c in result.get("front_cost", []):
+        lines.append(
+            f"HTTP front, {c['mode']}: {c['http_itps']:,.0f} uncached ITPS against "
+            f"{c['zmq_itps']:,.0f} on ZeroMQ (x{c['http_over_zmq']:.3f}); TTFT p50 "
+            f"{c['ttft_p50_ms']['http']:.0f} ms against {c['ttft_p50_ms']['zmq']:.0f} ms"
+        )
     return "\n".join(lines)
 
 

@@ -24,6 +24,9 @@ class HttpArgs:
     request_timeout: float = _f(600.0, "seconds a request waits for the scheduler's reply")
     health_timeout: float = _f(10.0, "seconds /health waits for the scheduler's stats")
     log_level: str = _f("info", "logging level")
+    parent_pid: int | None = _f(
+        None, "exit when this process exits (`mpprefill serve` passes its own pid)"
+    )
 
     def __post_init__(self):
         if self.max_body_bytes < 1:

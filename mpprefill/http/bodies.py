@@ -6,6 +6,11 @@ lists. In a batch, `rid` is a list (one per prompt), and `sampling_params` and t
 `bootstrap_*` fields are lists or one value for every prompt. Unknown fields, and unknown
 `sampling_params` keys, are ignored, as SGLang does; those the scheduler's protocol does not
 carry (`skip_special_tokens`, `return_logprob`, ...) as well.
+
+The output is the server's: the done reply's `output_ids` (a prefill server's one token,
+a decode server's every token), cut to `max_new_tokens` (0: none), its `finish_reason` and
+`completion_tokens`. A streamed prompt's partial replies add tokens to its output; each
+server-sent event carries the output so far, as SGLang's do.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mpprefill.http.errors import ABORTED, bad_request, from_reply
+from mpprefill.http.errors import ABORTED, bad_request, from_reply, is_abort
+from mpprefill.http.link import Bootstrap
 from mpprefill.http.tokenizer import TextTokenizer
 from mpprefill.sampling import SamplingParams
-from mpprefill.server.protocol import MAX_RID_CHARS, MAX_ROOM
+from mpprefill.server.protocol import MAX_HOST_CHARS, MAX_RID_CHARS, MAX_ROOM
 
 # SGLang's defaults where the protocol's differ (it samples at temperature 1 unless told).
 SGLANG_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+SGLANG_MAX_NEW_TOKENS = 128
 _WIRE_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
@@ -36,6 +43,12 @@ class GenerateItem:
     max_new_tokens: int  # SGLang's: 0 is allowed (no output token)
     skip_special_tokens: bool
     bootstrap_room: int | None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+
+    @property
+    def bootstrap(self) -> Bootstrap:
+        return Bootstrap(self.bootstrap_room, self.bootstrap_host, self.bootstrap_port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +66,14 @@ def parse_generate(body: Any) -> GenerateBody:
     n = len(prompts)
     rids = _rids(body.get("rid"), n, batch)
     params = _per_prompt(body, "sampling_params", n, batch)
-    rooms = _per_prompt(body, "bootstrap_room", n, batch)
-    items = [_item(p, rid, sp, room) for p, rid, sp, room in zip(prompts, rids, params, rooms)]
-    return GenerateBody(items, batch, bool(body.get("stream", False)))
+    boots = zip(*(_per_prompt(body, f"bootstrap_{k}", n, batch) for k in ("room", "host", "port")))
+    items = [
+        _item(p, rid, sp, Bootstrap(*b)) for p, rid, sp, b in zip(prompts, rids, params, boots)
+    ]
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be a boolean")
+    return GenerateBody(items, batch, stream)
 
 
 def _prompts(body: dict) -> tuple[list[str | list[int]], bool]:
@@ -111,28 +129,41 @@ def _per_prompt(body: dict, name: str, n: int, batch: bool) -> list[Any]:
     return value
 
 
-def _item(prompt: str | list[int], rid: str, sampling: Any, room: Any) -> GenerateItem:
-    if room is not None and (type(room) is not int or not 0 <= room <= MAX_ROOM):
+def _check_bootstrap(b: Bootstrap) -> None:
+    if b.room is not None and (type(b.room) is not int or not 0 <= b.room <= MAX_ROOM):
         raise bad_request("bootstrap_room must be an integer in [0, 2**63)")
+    if b.host is not None and (
+        not isinstance(b.host, str) or not 0 < len(b.host) <= MAX_HOST_CHARS
+    ):
+        raise bad_request(f"bootstrap_host must be a string of 1 to {MAX_HOST_CHARS} characters")
+    if b.port is not None and (type(b.port) is not int or not 0 < b.port < 65536):
+        raise bad_request("bootstrap_port must be an integer in [1, 65535]")
+
+
+def _item(prompt: str | list[int], rid: str, sampling: Any, boot: Bootstrap) -> GenerateItem:
+    _check_bootstrap(boot)
     if sampling is not None and not isinstance(sampling, dict):
         raise bad_request("sampling_params must be an object")
     sampling = sampling or {}
-    max_new = sampling.get("max_new_tokens", 128)
+    max_new = sampling.get("max_new_tokens", SGLANG_MAX_NEW_TOKENS)
     if type(max_new) is not int or max_new < 0:
         raise bad_request("sampling_params.max_new_tokens must be a non-negative integer")
     text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
     skip = sampling.get("skip_special_tokens", True)
-    return GenerateItem(rid, text, ids, _wire_sampling(sampling), max_new, skip is not False, room)
+    wire = _wire_sampling(sampling, max_new)
+    return GenerateItem(
+        rid, text, ids, wire, max_new, skip is not False, boot.room, boot.host, boot.port
+    )
 
 
-def _wire_sampling(sampling: dict) -> dict[str, Any]:
+def _wire_sampling(sampling: dict, max_new: int) -> dict[str, Any]:
     """The keys the protocol carries, over SGLang's defaults, checked as the scheduler
-    checks them. NOTE: max_new_tokens 0 travels as 1: the prefill always samples one."""
+    checks them. NOTE: max_new_tokens 0 travels as 1: a server always samples one; the
+    reply is cut to none."""
     given = {k: sampling[k] for k in _WIRE_KEYS if sampling.get(k) is not None}
     if "seed" not in given and sampling.get("sampling_seed") is not None:
         given["seed"] = sampling["sampling_seed"]
-    if "max_new_tokens" in given:
-        given["max_new_tokens"] = max(1, given["max_new_tokens"])
+    given["max_new_tokens"] = max(1, max_new)
     wire = {**SGLANG_SAMPLING_DEFAULTS, **given}
     try:
         SamplingParams.from_dict(wire)
@@ -162,26 +193,54 @@ def _with_ids(item: GenerateItem, ids: list[int]) -> GenerateItem:
 def generate_reply(
     item: GenerateItem, reply: dict[str, Any], latency: float, tokenizer: TextTokenizer | None
 ) -> dict[str, Any]:
-    """SGLang's body for one prompt from the scheduler's reply (HttpError for an error;
+    """SGLang's body for one prompt from the server's final reply (HttpError for an error;
     a request /abort_request ended is a body with an "abort" finish reason). `text` is
     there only with a tokenizer."""
     if reply.get("status") == "done":
-        out_ids = [reply["first_token"]][: item.max_new_tokens]
-        finish = {"type": "length", "length": len(out_ids)}
+        out_ids, finish, completion = _output(item, reply)
         prompt, cached = reply["prompt_tokens"], reply["cached_tokens"]
-    elif reply.get("error") == ABORTED:
-        out_ids, finish = [], {"type": "abort", "message": ABORTED}
+    elif reply.get("status") == "error" and is_abort(reply):
+        out_ids, finish, completion = [], {"type": "abort", "message": ABORTED}, 0
         prompt, cached = len(item.input_ids or ()), 0
     else:
-        raise from_reply(str(reply.get("error", "a reply without a status")))
+        raise from_reply(reply)
     meta = {
         "id": item.rid,
         "finish_reason": finish,
         "prompt_tokens": prompt,
-        "completion_tokens": len(out_ids),
+        "completion_tokens": completion,
         "cached_tokens": cached,
         "e2e_latency": latency,
     }
+    return _body(item, out_ids, meta, tokenizer)
+
+
+def _output(item: GenerateItem, reply: dict[str, Any]) -> tuple[list[int], dict, int]:
+    """(output_ids, finish_reason, completion_tokens) of a done reply, cut to max_new_tokens."""
+    out_ids = reply.get("output_ids")
+    if not isinstance(out_ids, list):  # a server older than output_ids
+        out_ids = [reply["first_token"]]
+    if len(out_ids) > item.max_new_tokens:
+        out_ids = out_ids[: item.max_new_tokens]
+        return out_ids, {"type": "length", "length": len(out_ids)}, len(out_ids)
+    finish = reply.get("finish_reason") or {"type": "length", "length": len(out_ids)}
+    return out_ids, finish, reply.get("completion_tokens", len(out_ids))
+
+
+def partial_body(
+    item: GenerateItem, output_ids: list[int], tokenizer: TextTokenizer | None
+) -> dict[str, Any]:
+    """A streamed prompt's event before its last: the output so far, no finish reason."""
+    meta = {
+        "id": item.rid,
+        "finish_reason": None,
+        "prompt_tokens": len(item.input_ids or ()),
+        "completion_tokens": len(output_ids),
+    }
+    return _body(item, output_ids, meta, tokenizer)
+
+
+def _body(item: GenerateItem, out_ids: list[int], meta: dict, tokenizer) -> dict[str, Any]:
     body: dict[str, Any] = {"output_ids": out_ids, "meta_info": meta}
     if tokenizer is not None:
         body = {"text": tokenizer.decode(out_ids, item.skip_special_tokens), **body}

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 
+import ipc
 from mpprefill.flags import add_flags, from_namespace
 from mpprefill.http.args import HttpArgs
 from mpprefill.http.tokenizer import TextTokenizer
@@ -32,6 +34,9 @@ def run_http(args: HttpArgs) -> int:
 
     from mpprefill.http.app import build_app
 
+    if args.parent_pid is not None and not ipc.die_with_parent(args.parent_pid, signal.SIGTERM):
+        logger.warning("the serve process %d is gone; the HTTP front exits", args.parent_pid)
+        return 1
     tokenizer = load_tokenizer(args)
     logger.info(
         "HTTP front on %s:%d for the scheduler at %s, tokenizer %s",

@@ -1,14 +1,16 @@
-"""HTTP status codes for the front's own refusals and for the scheduler's error replies.
+"""HTTP status codes for the front's own refusals and for the server's error replies.
 
 Bodies are SGLang's `/generate` error shape with the status added:
 `{"error": {"message": "...", "code": 400}}`.
 
-The request protocol's error replies carry a reason only, no code, so the status is read
-from the reason's opening words (the reasons server.py, scheduler.py and protocol.py give):
+An error reply's status is its `code` (`protocol.Code`: the HTTP status the server gave
+it). A reply without one (a server that sends no codes) falls back to its reason's opening
+words:
 
 | reason starts with                                   | status |
 |------------------------------------------------------|--------|
-| overloaded, server shutting down                     | 503    |
+| overloaded                                           | 429    |
+| server shutting down                                 | 503    |
 | frame of N bytes exceeds                             | 413    |
 | empty input_ids, token id, prompt of, input_ids,     | 400    |
 | sampling_params, bootstrap_room, duplicate rid, ...  |        |
@@ -17,13 +19,18 @@ from the reason's opening words (the reasons server.py, scheduler.py and protoco
 
 from __future__ import annotations
 
+from typing import Any
+
+from mpprefill.server.protocol import Code
+
 ABORTED = "aborted by client"  # the scheduler's reason for a request /abort_request ended
 # NOTE: the scheduler's only reply to an abort of a rid it does not hold; no generate ever
 # fails with it, so the link drops it instead of routing it to a request of that rid.
 UNKNOWN_RID = "unknown rid"
+_STATUSES = frozenset((400, 413, 429, 500, 503))
 
 _BY_PREFIX: tuple[tuple[str, int], ...] = (
-    ("overloaded", 503),
+    ("overloaded", 429),
     ("server shutting down", 503),
     ("frame of ", 413),
     ("empty input_ids", 400),
@@ -31,7 +38,8 @@ _BY_PREFIX: tuple[tuple[str, int], ...] = (
     ("prompt of ", 400),
     ("input_ids ", 400),
     ("sampling_params", 400),
-    ("bootstrap_room ", 400),
+    ("bootstrap_", 400),
+    ("stream must", 400),
     ("duplicate rid", 400),
     ("rid longer than", 400),
     ("generate needs", 400),
@@ -56,13 +64,22 @@ def error_body(status: int, message: str) -> dict:
     return {"error": {"message": message, "code": status}}
 
 
-def status_of(reason: str) -> int:
-    """The HTTP status of a scheduler's error reply."""
-    return next((code for prefix, code in _BY_PREFIX if reason.startswith(prefix)), 500)
+def is_abort(reply: dict[str, Any]) -> bool:
+    """An error reply for a request its client (or /abort_request) aborted."""
+    code = reply.get("code")
+    return code == Code.ABORTED if code is not None else reply.get("error") == ABORTED
 
 
-def from_reply(reason: str) -> HttpError:
-    return HttpError(status_of(reason), reason)
+def status_of(reason: str, code: Any = None) -> int:
+    """The HTTP status of a server's error reply: its code, else read from its reason."""
+    if type(code) is int:
+        return code if code in _STATUSES else (400 if 400 <= code < 500 else 500)
+    return next((status for prefix, status in _BY_PREFIX if reason.startswith(prefix)), 500)
+
+
+def from_reply(reply: dict[str, Any]) -> HttpError:
+    reason = str(reply.get("error", "a reply without a status"))
+    return HttpError(status_of(reason, reply.get("code")), reason)
 
 
 def bad_request(message: str) -> HttpError:

@@ -1,9 +1,10 @@
 """The front's one DEALER to the scheduler, shared by every HTTP request in flight.
 
 A reader task takes each reply off the socket and hands it to the request waiting on its
-rid; requests send their frames and await their own future, so any number are in flight at
-once. The scheduler answers every generate exactly once (done or error), and a stats
-request that carries a rid echoes it.
+rid; requests send their frames and await their own queue, so any number are in flight at
+once. The server answers every generate with one final reply (done or error), before which
+a streamed request may get `partial` replies (a generating decode side sends them); a stats
+or control request that carries a rid echoes it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -19,6 +22,7 @@ import zmq.asyncio
 
 from mpprefill.http.errors import UNKNOWN_RID
 from mpprefill.server import protocol
+from mpprefill.server.protocol import Code
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +39,15 @@ class FrameTooLarge(Exception):
     """A request whose frame the scheduler would refuse unread (protocol.MAX_FRAME_BYTES)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    """Where the prefill that fills a request's KV serves its bootstrap, and the room."""
+
+    room: int | None = None
+    host: str | None = None
+    port: int | None = None
+
+
 class SchedulerLink:
     def __init__(self, address: str):
         self.address = address if "://" in address else f"tcp://{address}"
@@ -47,7 +60,7 @@ class SchedulerLink:
         # that times out there is never delivered later to a scheduler that comes back.
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.sock.connect(self.address)
-        self._waiting: dict[str, asyncio.Future] = {}
+        self._waiting: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -65,23 +78,41 @@ class SchedulerLink:
         rid: str,
         input_ids: list[int],
         sampling_params: dict[str, Any],
-        bootstrap_room: int | None,
+        bootstrap: Bootstrap | int | None,
         timeout: float,
+        on_partial: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
-        """The scheduler's reply; a request cancelled or timed out here is aborted there."""
-        frame = protocol.generate_frame(rid, input_ids, sampling_params, bootstrap_room)
+        """The server's final reply (done or error). With `on_partial`, the request is sent
+        as streamed and each partial reply before it goes to `on_partial`. A request
+        cancelled or timed out here is aborted there. `bootstrap`: a Bootstrap, or a room."""
+        if not isinstance(bootstrap, Bootstrap):
+            bootstrap = Bootstrap(bootstrap)
+        frame = protocol.generate_frame(
+            rid,
+            input_ids,
+            sampling_params,
+            bootstrap.room,
+            bootstrap.host,
+            bootstrap.port,
+            stream=on_partial is not None,
+        )
         if len(frame) > protocol.MAX_FRAME_BYTES:
             limit = protocol.MAX_FRAME_BYTES
             raise FrameTooLarge(f"a request of {len(frame)} bytes is over the limit of {limit}")
         try:
-            return await self._request(rid, frame, timeout)
+            return await self._request(rid, frame, timeout, on_partial)
         except (asyncio.CancelledError, NoReply):
             await self.abort(rid)
             raise
 
     async def stats(self, timeout: float) -> dict[str, Any]:
-        rid = f"stats-{uuid.uuid4().hex}"
-        return await self._request(rid, json.dumps({"type": "stats", "rid": rid}).encode(), timeout)
+        return await self.control("stats", timeout)
+
+    async def control(self, kind: str, timeout: float, **fields: Any) -> dict[str, Any]:
+        """One request of `kind` (stats, flush_cache, start_profile, ...) and its reply."""
+        rid = f"{kind}-{uuid.uuid4().hex}"
+        frame = json.dumps({"type": kind, "rid": rid, **fields}).encode()
+        return await self._request(rid, frame, timeout)
 
     async def abort(self, rid: str) -> None:
         """No reply of its own: the request's reply says it was aborted. Never waits: an
@@ -91,23 +122,29 @@ class SchedulerLink:
         except zmq.Again:
             logger.warning("could not send the abort of %.64r: the scheduler is unreachable", rid)
 
-    async def _request(self, rid: str, frame: bytes, timeout: float) -> dict[str, Any]:
+    async def _request(
+        self, rid: str, frame: bytes, timeout: float, on_partial=None
+    ) -> dict[str, Any]:
         if rid in self._waiting:
             raise RidInFlight(f"rid {rid[:64]!r} is already in flight")
-        fut = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = fut
+        replies: asyncio.Queue = asyncio.Queue()
+        self._waiting[rid] = replies
         try:
-            await asyncio.wait_for(self._send_and_wait(frame, fut), timeout)
+            return await asyncio.wait_for(self._send_and_wait(frame, replies, on_partial), timeout)
         except asyncio.TimeoutError:
             raise NoReply(f"no reply from the scheduler within {timeout:g} s") from None
         finally:
-            if self._waiting.get(rid) is fut:
+            if self._waiting.get(rid) is replies:
                 del self._waiting[rid]
-        return fut.result()
 
-    async def _send_and_wait(self, frame: bytes, fut: asyncio.Future) -> None:
+    async def _send_and_wait(self, frame: bytes, replies: asyncio.Queue, on_partial) -> dict:
         await self.sock.send(frame)
-        await fut
+        while True:
+            reply = await replies.get()
+            if reply.get("status") != "partial":
+                return reply
+            if on_partial is not None:
+                on_partial(reply)
 
     async def _read_replies(self) -> None:
         while True:
@@ -124,19 +161,25 @@ class SchedulerLink:
             logger.warning("a reply from the scheduler that is not an object")
             return
         rid = reply.get("rid")
-        if reply.get("status") == "error" and reply.get("error") == UNKNOWN_RID:
+        if reply.get("status") == "error" and (
+            reply.get("code") == Code.UNKNOWN_RID or reply.get("error") == UNKNOWN_RID
+        ):
             return  # the answer to an abort that came after its request's reply
-        fut = self._waiting.pop(rid, None) if isinstance(rid, str) else None
-        if fut is None or fut.done():
+        replies = self._waiting.get(rid) if isinstance(rid, str) else None
+        if replies is None:
             logger.debug("a reply for no request in flight (rid %.64r)", rid)
             return
-        fut.set_result(reply)
+        if reply.get("status") != "partial":  # the final reply: the rid is free again
+            del self._waiting[rid]
+        replies.put_nowait(reply)
 
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
-        for fut in self._waiting.values():
-            fut.cancel()
+        closing = {"status": "error", "error": "the HTTP front is closing", "code": 503}
+        for replies in self._waiting.values():
+            replies.put_nowait(closing)
+        self._waiting.clear()
         self.sock.close(linger=0)
         self.ctx.term()

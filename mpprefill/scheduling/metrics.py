@@ -4,10 +4,15 @@ totals.
 The hand-off gap of forward N + 1 is how long the device sat idle between forward N's
 end and forward N + 1's start although batch N + 1 was already built when N ended: the
 time the hand-off itself costs, not a wait for work.
+
+A request's KV transfer latency runs from the result of its last chunk (its KV complete,
+its sends under way) to its transfer's success; a transfer that fails after it started
+counts as failed, unless its client aborted the request.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -15,6 +20,9 @@ from mpprefill.trace.tracer import clock_ns, get_tracer
 
 TRACE_NAMES = {"collect": "collect-wait"}
 MAX_GAPS = 4096  # recent hand-off gaps kept for medians (they travel in stats replies)
+RECENT_TRANSFERS = 256  # transfers the KV transfer latency is averaged over
+# The scheduler's own work per batch (t_sched); the other phases wait for the worker.
+SCHED_PHASES = ("A", "P", "S", "snapshot", "submit", "early-send", "inflight")
 
 
 @dataclass
@@ -35,6 +43,11 @@ class SchedulerMetrics:
     host_loaded_tokens: int = 0  # prefix tokens loaded back from the host KV store
     host_written_tokens: int = 0  # tokens whose write-back to the host store was retired
     batch_shapes: list[tuple[list[int], list[int]]] | None = None  # (prefix, extend) lens
+    num_transfers: int = 0  # KV transfers that succeeded
+    num_transfer_failed: int = 0
+    transfer_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_TRANSFERS))
+    _transfer_t0: dict[str, float] = field(default_factory=dict)  # rid -> its last chunk done
+    _aborted: set[str] = field(default_factory=set)  # rids their client aborted, until finished
     _built_ns: dict[int, int] = field(default_factory=dict)  # seq -> when A built it
     _last_end: tuple[int, int] = (0, 0)  # (seq, end_ns) of the last forward collected
 
@@ -65,10 +78,23 @@ class SchedulerMetrics:
             self.handoff_gaps_s.append(max(0, result.start_ns - prev_end) / 1e9)
         self._last_end = (result.seq, result.end_ns)
 
+    def on_transfer_start(self, req) -> None:
+        self._transfer_t0[req.rid] = time.monotonic()
+
+    def note_abort(self, rid: str) -> None:
+        self._aborted.add(rid)
+
     def on_finish(self, req) -> None:
+        t0 = self._transfer_t0.pop(req.rid, None)
+        aborted = req.rid in self._aborted
+        self._aborted.discard(req.rid)
         if req.error:
             self.num_failed += 1
+            self.num_transfer_failed += t0 is not None and not aborted
             return
+        if t0 is not None:
+            self.num_transfers += 1
+            self.transfer_ms.append((time.monotonic() - t0) * 1e3)
         self.num_finished += 1
         self.prompt_tokens += req.prompt_len
         self.cached_tokens += req.cached_tokens
@@ -97,5 +123,13 @@ class SchedulerMetrics:
             "host_loaded_tokens": self.host_loaded_tokens,
             "host_written_tokens": self.host_written_tokens,
             "phase_s": dict(self.phase_s),
+            "sched_s": sum(self.phase_s.get(p, 0.0) for p in SCHED_PHASES),
+            "num_transfers": self.num_transfers,
+            "num_transfer_failed": self.num_transfer_failed,
+            "kv_transfer_latency_ms": _mean(self.transfer_ms),
             "phase_n": dict(self.phase_n),
         }
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values) if values else 0.0

@@ -337,6 +337,7 @@ class Scheduler:
             self.tree.cache_unfinished_req(req)
             finished.append(req)
             req.status = ReqStatus.TRANSFERRING
+            self.metrics.on_transfer_start(req)
             reqs.inflight_queue.append(req)
             self.send_kv_chunk(req, last=True)
         if finished and self.host_tier is not None:

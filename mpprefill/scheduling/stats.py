@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from mpprefill.scheduling.invariants import InvariantError, check_drained
 from mpprefill.scheduling.kv_pools import kv_stats
+from mpprefill.scheduling.req import ReqStatus
 
 if TYPE_CHECKING:
     from mpprefill.scheduling.scheduler import Scheduler
@@ -19,8 +20,9 @@ def scheduler_stats(s: Scheduler) -> dict:
             "waiting": len(s.reqs.waiting),
             "inflight": len(s.reqs.inflight_queue),
             "live": len(s.reqs.live),
+            "running": sum(1 for r in s.reqs.live.values() if r.status == ReqStatus.RUNNING),
         },
-        "kv": kv_stats(s.allocator, s.tree),
+        "kv": {**kv_stats(s.allocator, s.tree), "evictable_tokens": s.tree.evictable_size()},
         "req_slots": {"free": s.req_pool.available_size(), "total": s.req_pool.size},
         "counters": s.metrics.to_dict(),
         "invariants": _invariants(s),

@@ -10,7 +10,10 @@ Frame sizes, three tiers (the server's socket enforces the last one):
 |                                         | allocating it (ZMQ_MAXMSGSIZE): no reply     |
 
 An error reply carries at most MAX_RID_CHARS of the rid and MAX_ERROR_CHARS of the reason,
-whatever the frame held: a refused frame's rid may be of any length.
+whatever the frame held: a refused frame's rid may be of any length. The prefill server's
+also carry a `code`, the HTTP status the reason stands for (the `Code` table below), so a
+front maps errors to statuses without reading the reason's words; a client that knows no
+codes ignores it.
 
 The server's ROUTER (`bind_server_socket`), and why each limit is there:
 
@@ -49,12 +52,36 @@ _HEAD_RID = re.compile(
 )
 
 
+class Code:
+    """An error reply's `code`: the HTTP status of its reason.
+
+    | code | the request                                                        |
+    |------|--------------------------------------------------------------------|
+    | 400  | is malformed or can never run here (vocabulary, context, pool)     |
+    | 404  | names a rid this client has not in flight (an abort's reply)       |
+    | 413  | is a frame over MAX_FRAME_BYTES                                    |
+    | 429  | found the queue full (`overloaded`): try again later               |
+    | 499  | was aborted by its client                                          |
+    | 500  | failed inside the server (worker, bootstrap or KV transfer)        |
+    | 503  | reached a server that is shutting down                             |
+    """
+
+    BAD_REQUEST = 400
+    UNKNOWN_RID = 404
+    TOO_LARGE = 413
+    OVERLOADED = 429
+    ABORTED = 499
+    INTERNAL = 500
+    UNAVAILABLE = 503
+
+
 class ProtocolError(ValueError):
     """A frame the server will not act on; `rid` is set when one could be read."""
 
-    def __init__(self, message: str, rid: str | None = None):
+    def __init__(self, message: str, rid: str | None = None, code: int = Code.BAD_REQUEST):
         super().__init__(message)
         self.rid = rid
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +107,41 @@ class Stats:
     rid: str | None = None  # echoed in the reply when given
 
 
+@dataclass(frozen=True, slots=True)
+class FlushCache:
+    """Drop the prefix cache, only while no request is live (SGLang's /flush_cache)."""
+
+    rid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StartProfile:
+    """Trace the scheduler and forward processes into `output_dir` until StopProfile, or
+    for `num_steps` forwards when given; `activities` (SGLang's) run torch's profiler in
+    the forward's process too (none: spans only)."""
+
+    rid: str | None
+    output_dir: str
+    num_steps: int | None = None
+    activities: tuple[str, ...] = ("CPU", "GPU")
+
+
+@dataclass(frozen=True, slots=True)
+class StopProfile:
+    rid: str | None = None
+
+
+PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")  # SGLang's torch profiler activities
+MAX_PATH_CHARS = 4096
+
+
 def parse_frame(frame: bytes | memoryview) -> Generate | Abort | Stats:
     """Parse one frame; ProtocolError (with the rid when readable) for anything unusable."""
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(
             f"frame of {len(frame)} bytes exceeds the limit of {MAX_FRAME_BYTES} bytes",
             sniff_rid(bytes(frame[:SNIFF_BYTES])),
+            Code.TOO_LARGE,
         )
     try:
         obj = json.loads(bytes(frame))
@@ -150,6 +206,20 @@ def _abort(obj: dict[str, Any], rid: str | None) -> Abort:
     return Abort(rid)
 
 
+def _start_profile(obj: dict[str, Any], rid: str | None) -> StartProfile:
+    out = obj.get("output_dir")
+    if not isinstance(out, str) or not 0 < len(out) <= MAX_PATH_CHARS:
+        raise ProtocolError("start_profile needs an output_dir string", rid)
+    steps = obj.get("num_steps")
+    if steps is not None and (type(steps) is not int or steps < 1):
+        raise ProtocolError("num_steps must be a positive integer or null", rid)
+    acts = obj.get("activities")
+    acts = ["CPU", "GPU"] if acts is None else acts
+    if not isinstance(acts, list) or not all(a in PROFILE_ACTIVITIES for a in acts):
+        raise ProtocolError(f"activities must be a list of {PROFILE_ACTIVITIES}", rid)
+    return StartProfile(rid, out, steps, tuple(acts))
+
+
 _GENERATE_FIELDS = frozenset(
     (
         "type",
@@ -162,7 +232,14 @@ _GENERATE_FIELDS = frozenset(
         "stream",
     )
 )
-_PARSERS = {"generate": _generate, "abort": _abort, "stats": lambda o, rid: Stats(rid)}
+_PARSERS = {
+    "generate": _generate,
+    "abort": _abort,
+    "stats": lambda o, rid: Stats(rid),
+    "flush_cache": lambda o, rid: FlushCache(rid),
+    "start_profile": _start_profile,
+    "stop_profile": lambda o, rid: StopProfile(rid),
+}
 
 
 def generate_frame(
@@ -236,10 +313,21 @@ def partial_reply(rid: str, output_ids: list[int]) -> bytes:
     return _dump({"rid": rid, "status": "partial", "output_ids": output_ids})
 
 
-def error_reply(rid: str | None, error: str) -> bytes:
-    """NOTE: the rid and the reason are cut, so a reply stays small whatever was sent."""
+def error_reply(rid: str | None, error: str, code: int | None = None) -> bytes:
+    """NOTE: the rid and the reason are cut, so a reply stays small whatever was sent.
+    Without a `code` the reply has none (a client then reads the status from the reason)."""
     rid = rid[:MAX_RID_CHARS] if rid is not None else None
-    return _dump({"rid": rid, "status": "error", "error": _cut(error, MAX_ERROR_CHARS)})
+    out = {"rid": rid, "status": "error", "error": _cut(error, MAX_ERROR_CHARS)}
+    if code is not None:
+        out["code"] = code
+    return _dump(out)
+
+
+def control_reply(rid: str | None, kind: str, ok: bool, message: str, **extra: Any) -> bytes:
+    """The reply to flush_cache, start_profile or stop_profile: `status` is the message's
+    type, `success` whether it was done, `message` why not (or what was written)."""
+    head = {"rid": rid} if rid is not None else {}
+    return _dump({**head, "status": kind, "success": ok, "message": message, **extra})
 
 
 def _dump(obj: dict) -> bytes:

@@ -1,4 +1,6 @@
-"""`mpprefill serve`: the prefill scheduler behind a ZeroMQ ROUTER, with its worker.
+"""`mpprefill serve`: the prefill scheduler behind a ZeroMQ ROUTER (`--zmq-port`), with its
+worker, and the HTTP front process on `--port` (`http_front.py`; `--disable-http-front`
+for the socket alone).
 
 Socket limits and frame sizes: protocol.py; signals: signals.py. Every request read from
 the socket gets exactly one reply, at shutdown too: a transfer the decode side never
@@ -22,6 +24,9 @@ from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.scheduling.stats import scheduler_stats
 from mpprefill.server import protocol, signals
+from mpprefill.server.http_front import HttpFrontProcess
+from mpprefill.server.profiling import RuntimeProfiler
+from mpprefill.server.protocol import Code
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker.api import WorkerDied
@@ -32,6 +37,8 @@ MAX_FRAMES_PER_POLL = protocol.REQUEST_HWM
 # Bytes one poll reads before the scheduler validates what it read (one frame may cross it).
 MAX_BYTES_PER_POLL = protocol.MAX_FRAME_BYTES
 DROP_LOG_EVERY = 1000  # past the first few, one log line per this many drops or bad frames
+ABORTED = "aborted by client"
+UNKNOWN_RID = "unknown rid"  # the reply to an abort of a rid this client has not in flight
 
 
 class PrefillServer:
@@ -39,6 +46,9 @@ class PrefillServer:
         self.args, self.mode = args, args.resolved_forward_mode
         self._stop = False
         self.worker = None
+        self.front: HttpFrontProcess | None = None
+        self.profiler: RuntimeProfiler | None = None
+        self.t_start = time.monotonic()
         signals.install(self._on_signal, self._exit_now)
         if args.trace_dir:
             set_tracer(Tracer("scheduler", enabled=True))
@@ -54,7 +64,7 @@ class PrefillServer:
             wait_for_requests=self._wait,
         )
         self.ctx = zmq.Context()
-        self.sock = protocol.bind_server_socket(self.ctx, args.host, args.port)
+        self.sock = protocol.bind_server_socket(self.ctx, args.host, args.zmq_port)
         self._poller = zmq.Poller()  # the socket, and the worker's death where it has one
         self._poller.register(self.sock, zmq.POLLIN)
         if self.worker.sentinel is not None:
@@ -64,14 +74,21 @@ class PrefillServer:
         self._owner: dict[str, bytes] = {}  # rid -> client identity, until replied
         self._arriving: dict[str, Req] = {}  # admitted by this _recv, not yet ingested
         self.replies_dropped = self.bad_frames = 0
+        self._aborted: set[str] = set()  # rids their client aborted, until replied
         self._closing: str | None = None  # once set, every new request gets it as its error
+        self._closing_code = Code.UNAVAILABLE
         self.exit_code = 0
         self.gc = GcWatch().install()
+        forward_pid = self.worker.pid if self.mode in ("proc", "proc-ahead") else None
+        self.profiler = RuntimeProfiler(forward_pid)
+        if not args.disable_http_front:
+            self.front = HttpFrontProcess(args)
 
     # ---- socket side ---------------------------------------------------------------------
 
     def _recv(self) -> list[Req]:
         self._check_worker()
+        self.profiler.poll(self.scheduler.metrics.num_batches)
         self._read_frames()
         reqs, self._arriving = list(self._arriving.values()), {}
         return reqs
@@ -106,46 +123,61 @@ class PrefillServer:
         try:
             msg = protocol.parse_frame(data)
         except protocol.ProtocolError as e:
-            self._bad(ident, e.rid, str(e))
+            self._bad(ident, e.rid, str(e), e.code)
             return
         self._handle(ident, msg)
 
-    def _bad(self, ident: bytes, rid: str | None, why: str) -> None:
+    def _bad(self, ident: bytes, rid: str | None, why: str, code: int = Code.BAD_REQUEST) -> None:
         """An error reply; logged, though past the first 100 only one in DROP_LOG_EVERY."""
         self.bad_frames += 1
         if self.bad_frames <= 100 or self.bad_frames % DROP_LOG_EVERY == 0:
             logger.info("bad frame (%d so far): %s", self.bad_frames, why)
-        self._send(ident, protocol.error_reply(rid, why))
+        self._send(ident, protocol.error_reply(rid, why, code))
 
     def _handle(self, ident: bytes, msg) -> None:
-        if isinstance(msg, protocol.Stats):
+        if isinstance(msg, protocol.Generate):
+            self._admit(ident, msg)
+        elif isinstance(msg, protocol.Stats):
             rid = {"rid": msg.rid} if msg.rid is not None else {}
             self._send(ident, json.dumps({**rid, "status": "stats", **self.stats()}).encode())
         elif isinstance(msg, protocol.Abort):
             self._abort(ident, msg.rid)
-        else:
-            self._admit(ident, msg)
+        elif isinstance(msg, protocol.FlushCache):
+            ok, why = self._flush_cache()
+            self._send(ident, protocol.control_reply(msg.rid, "flush_cache", ok, why))
+        elif isinstance(msg, protocol.StartProfile):
+            ok, why = self.profiler.start(msg, self.scheduler.metrics.num_batches)
+            self._send(ident, protocol.control_reply(msg.rid, "start_profile", ok, why))
+        elif isinstance(msg, protocol.StopProfile):
+            ok, why, files = self.profiler.stop()
+            reply = protocol.control_reply(msg.rid, "stop_profile", ok, why, files=files)
+            self._send(ident, reply)
 
     def _abort(self, ident: bytes, rid: str) -> None:
         if self._owner.get(rid) != ident:  # another client's request is unknown to this one
-            self._send(ident, protocol.error_reply(rid, "unknown rid"))
+            self._send(ident, protocol.error_reply(rid, UNKNOWN_RID, Code.UNKNOWN_RID))
             return
         req = self._arriving.pop(rid, None)
         if req is not None:  # arrived in this same poll: never reached the scheduler
-            req.error = "aborted by client"
+            self._aborted.add(rid)
+            req.error = ABORTED
             self._reply(req)
-        elif not self.scheduler.reqs.abort(rid, "aborted by client"):
-            self._send(ident, protocol.error_reply(rid, "unknown rid"))
+        elif rid in self.scheduler.reqs.live:
+            self._aborted.add(rid)
+            self.scheduler.metrics.note_abort(rid)
+            self.scheduler.reqs.abort(rid, ABORTED)
+        else:
+            self._send(ident, protocol.error_reply(rid, UNKNOWN_RID, Code.UNKNOWN_RID))
 
     def _admit(self, ident: bytes, msg: protocol.Generate) -> None:
         reqs = self.scheduler.reqs
         if self._closing is not None:
-            self._send(ident, protocol.error_reply(msg.rid, self._closing))
+            self._send(ident, protocol.error_reply(msg.rid, self._closing, self._closing_code))
         elif msg.rid in reqs.live or msg.rid in self._owner:
             error = "duplicate rid while the first is live"
-            self._send(ident, protocol.error_reply(msg.rid, error))
+            self._send(ident, protocol.error_reply(msg.rid, error, Code.BAD_REQUEST))
         elif self._queued() >= self.args.max_queued_requests:
-            self._send(ident, protocol.error_reply(msg.rid, "overloaded"))
+            self._send(ident, protocol.error_reply(msg.rid, "overloaded", Code.OVERLOADED))
         else:
             self._owner[msg.rid] = ident
             req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.bootstrap_room)
@@ -157,15 +189,40 @@ class PrefillServer:
 
     def _reply(self, req: Req) -> None:
         ident = self._owner.pop(req.rid, None)
+        aborted = req.rid in self._aborted
+        self._aborted.discard(req.rid)
         if ident is None:
             return
         if req.error:
-            self._send(ident, protocol.error_reply(req.rid, req.error))
+            code = Code.ABORTED if aborted else self._error_code(req)
+            self._send(ident, protocol.error_reply(req.rid, req.error, code))
         else:
             self._send(
                 ident,
                 protocol.done_reply(req.rid, req.first_token, req.prompt_len, req.cached_tokens),
             )
+
+    def _error_code(self, req: Req) -> int:
+        """The status of a request the scheduler failed."""
+        if self._closing is not None:
+            return self._closing_code
+        # NOTE: a request gets its KV sender only once Scheduler.validate accepted it.
+        if req.sender is None:
+            return Code.BAD_REQUEST
+        return Code.INTERNAL
+
+    def _flush_cache(self) -> tuple[bool, str]:
+        """SGLang's flush: the prefix cache is dropped only while no request is live."""
+        s = self.scheduler
+        busy = len(s.reqs.live) + len(s.reqs.incoming) + len(self._arriving)
+        if busy or s.forwards_in_flight or s.reqs.chunked_req is not None:
+            return False, f"cache not flushed: {busy} requests are not finished"
+        if s.host_tier is not None:
+            s.host_tier.retire(wait=True)  # host copies of cached pages end first
+        cached = s.tree.total_size()
+        s.tree.flush()
+        logger.info("flushed the prefix cache (%d tokens)", cached)
+        return True, f"cache flushed ({cached} tokens)"
 
     def _send(self, ident: bytes, payload: bytes) -> None:
         try:
@@ -182,6 +239,7 @@ class PrefillServer:
 
     def stats(self) -> dict:
         out = {"forward_mode": self.mode, **scheduler_stats(self.scheduler)}
+        out["uptime_s"] = time.monotonic() - self.t_start
         out["counters"] |= {"replies_dropped": self.replies_dropped, "bad_frames": self.bad_frames}
         out["gc"] = self.gc.to_dict()
         return out
@@ -190,9 +248,9 @@ class PrefillServer:
 
     def serve_forever(self) -> int:
         logger.info(
-            "prefill server on %s:%d, forward mode %s, transfer %s",
+            "prefill server on %s:%d (ZeroMQ), forward mode %s, transfer %s",
             self.args.host,
-            self.args.port,
+            self.args.zmq_port,
             self.mode,
             self.transfer.name,
         )
@@ -211,6 +269,8 @@ class PrefillServer:
             logger.exception("the scheduler loop failed")
             reason, self.exit_code = "internal server error", 1
         finally:
+            if self.exit_code:
+                self._closing_code = Code.INTERNAL
             try:
                 self._answer_all(reason)
             finally:
@@ -233,18 +293,26 @@ class PrefillServer:
         self.scheduler.reqs.fail_all(reason)
         for rid, ident in list(self._owner.items()):  # read, never made live (a failed loop)
             del self._owner[rid]
-            self._send(ident, protocol.error_reply(rid, reason))
+            self._send(ident, protocol.error_reply(rid, reason, self._closing_code))
 
     def _on_signal(self, signum: int) -> None:
         logger.info("signal %d: shutting down", signum)
         self._stop = True
 
     def _exit_now(self) -> None:
+        if self.front is not None:
+            self.front.kill()
         if self.worker is not None:
+            if self.profiler is not None:
+                self.profiler.forget_forward_process()
             self.worker.kill_now()
 
     def close(self) -> None:
         t0 = time.monotonic()
+        if self.front is not None:
+            self.front.stop()
+        if self.profiler.active is not None:
+            logger.info("profile stopped at shutdown: %s", self.profiler.stop()[1])
         if self.args.trace_dir:
             os.makedirs(self.args.trace_dir, exist_ok=True)
             get_tracer().dump(self.args.trace_dir)

@@ -36,6 +36,7 @@ from mpprefill.model.parallel import TPRank, init_tp_group, shard_config, tp_bac
 from mpprefill.sampling import SamplingBatchInfo
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
+from mpprefill.worker import profiling
 from mpprefill.worker.api import ForwardInput
 from mpprefill.worker.build import (
     build_runner,
@@ -231,6 +232,7 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     if args.trace_dir:
         set_tracer(Tracer("worker", enabled=True))
+    profiling.serve_control()  # /start_profile and /stop_profile reach this process there
     requests = ipc.Channel(endpoints[0], bind=False, peer_pid=parent, peer_is_parent=True)
     replies = ipc.Channel(endpoints[1], bind=False, peer_pid=parent, peer_is_parent=True)
     watch = GcWatch().install()  # its pauses show as spans in a trace

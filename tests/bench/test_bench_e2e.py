@@ -132,3 +132,24 @@ def test_profile_traces_both_processes_and_reports_overlap(tmp_path):
     assert any({"A", "P", "collect-wait"} <= n for n in names_by_pid.values())
     pytest.importorskip("matplotlib", reason="the timeline needs the plot extra")
     assert (out_dir / "timeline.png").stat().st_size > 1000
+
+
+def test_bench_through_the_http_front_reports_its_cost(tmp_path):
+    """A tiny run: every request answered through the front, the same first tokens as on
+    ZeroMQ, and the front's cost reported."""
+    pytest.importorskip("fastapi")
+    path = tmp_path / "bench.json"
+    out = _mpprefill(
+        *("bench", "--front", "http", "--modes", "normal", "--num-requests", "8"),
+        *("--prompt-len", "64", "--disaggregation-transfer-backend", "fake"),
+        *("--json", str(path)),
+    )
+    result = json.loads(path.read_text())
+    (zmq_run,), (http_run,) = result["runs"], result["http_runs"]
+    assert (zmq_run["front"], http_run["front"]) == ("zmq", "http")
+    assert http_run["num_finished"] == http_run["num_requests"] == 8
+    assert http_run["leaks"]["ok"], http_run["leaks"]
+    assert http_run["first_tokens_sha256"] == zmq_run["first_tokens_sha256"]
+    (cost,) = result["front_cost"]
+    assert cost["http_over_zmq"] == http_run["uncached_itps"] / zmq_run["uncached_itps"]
+    assert "HTTP front, normal:" in out.stdout

@@ -28,9 +28,9 @@ class Front:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
     @classmethod
-    def start(cls, zmq_port: int, *flags: str, timeout: float = 90.0) -> Front:
-        """Ready once /health answers 200 (the scheduler answered its stats)."""
-        front = cls(zmq_port, *flags)
+    def start(cls, *args, timeout: float = 90.0) -> Front:
+        """`cls(*args)`, ready once /health answers 200 (the scheduler answered its stats)."""
+        front = cls(*args)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if front.proc.poll() is not None:

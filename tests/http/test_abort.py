@@ -89,3 +89,22 @@ def test_a_client_that_hangs_up_has_its_request_aborted(slow_front):
         time.sleep(0.1)
     assert _counters(slow_front)["num_failed"] == failed + 1
     assert slow_front.post("/abort_request", {"rid": "gone-1"}) == (200, {"rids": []})
+
+
+def test_flush_cache_is_refused_while_a_request_is_live(slow_front):
+    out: dict = {}
+
+    def generate():
+        body = {"input_ids": [7, 8, 9], "rid": "slow-flush", "bootstrap_room": 13}
+        out["reply"] = slow_front.post("/generate", body)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    _wait_in_flight(slow_front, "slow-flush")
+    status, _, text = slow_front.request("POST", "/flush_cache")
+    assert status == 400 and b"not flushed" in text, text
+    assert slow_front.post("/abort_request", {"rid": "slow-flush"})[0] == 200
+    thread.join(60)
+    assert out["reply"][0] == 200
+    status, _, text = slow_front.request("POST", "/flush_cache")
+    assert status == 200, text

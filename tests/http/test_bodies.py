@@ -25,6 +25,7 @@ def test_single_body_with_sglang_defaults_and_unknown_keys_ignored():
     assert (body.batch, body.stream) == (False, False)
     (item,) = body.items
     assert (item.rid, item.input_ids, item.text, item.bootstrap_room) == ("a", [1, 2, 3], None, 11)
+    assert (item.bootstrap_host, item.bootstrap_port) == ("h", None)
     assert item.sampling_params == {
         "temperature": 1.0,
         "top_p": 1.0,
@@ -32,6 +33,7 @@ def test_single_body_with_sglang_defaults_and_unknown_keys_ignored():
         "min_p": 0.0,
         "stop_token_ids": [2],
         "ignore_eos": True,
+        "max_new_tokens": 128,  # SGLang's default, for a decode server behind the same front
     }
     assert item.max_new_tokens == 128 and item.skip_special_tokens
 
@@ -42,6 +44,8 @@ def test_batch_fans_out_lists_and_single_values():
             "text": ["x", "y"],
             "sampling_params": [{"temperature": 0}, {"max_new_tokens": 0, "sampling_seed": 3}],
             "bootstrap_room": 5,
+            "bootstrap_host": ["h1", "h2"],
+            "bootstrap_port": 8998,
             "stream": True,
         }
     )
@@ -49,6 +53,8 @@ def test_batch_fans_out_lists_and_single_values():
     a, b = body.items
     assert (a.text, b.text) == ("x", "y") and a.rid != b.rid
     assert (a.bootstrap_room, b.bootstrap_room) == (5, 5)
+    assert (a.bootstrap_host, b.bootstrap_host) == ("h1", "h2")
+    assert (a.bootstrap_port, b.bootstrap_port) == (8998, 8998)
     assert a.sampling_params["temperature"] == 0
     assert (b.max_new_tokens, b.sampling_params["max_new_tokens"]) == (0, 1)
     assert b.sampling_params["seed"] == 3
@@ -65,6 +71,10 @@ def test_batch_fans_out_lists_and_single_values():
         {"input_ids": [1], "rid": "r" * 300},
         {"input_ids": [1], "bootstrap_room": True},
         {"input_ids": [1], "bootstrap_room": 2**63},
+        {"input_ids": [1], "bootstrap_host": 7},
+        {"input_ids": [1], "bootstrap_port": 70000},
+        {"input_ids": [[1], [2]], "bootstrap_host": ["a"]},
+        {"input_ids": [1], "stream": "yes"},
         {"input_ids": [1], "sampling_params": {"seed": -1}},
         {"input_ids": [1], "sampling_params": {"max_new_tokens": 1.5}},
         {"input_ids": [[1], [2]], "sampling_params": [{}, {}, {}]},
@@ -115,13 +125,61 @@ def test_aborted_reply_is_an_abort_finish_and_other_errors_raise():
         bodies.generate_reply(
             _item(), {"rid": "q", "status": "error", "error": "overloaded"}, 0, None
         )
-    assert e.value.status == 503
+    assert e.value.status == 429
+
+
+def test_a_decode_servers_output_is_the_done_replys_and_cut_to_max_new_tokens():
+    """Nothing assumes one output token: ids, finish reason and count are the reply's."""
+    reply = {
+        "rid": "q",
+        "status": "done",
+        "first_token": 9,
+        "prompt_tokens": 2,
+        "cached_tokens": 0,
+        "output_ids": [9, 8, 7, 2],
+        "completion_tokens": 4,
+        "finish_reason": {"type": "stop", "matched": 2},
+    }
+    out = bodies.generate_reply(_item(), reply, 0.5, None)
+    assert out["output_ids"] == [9, 8, 7, 2]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    assert out["meta_info"]["completion_tokens"] == 4
+    cut = bodies.generate_reply(_item(2), reply, 0.5, None)
+    assert cut["output_ids"] == [9, 8]
+    assert cut["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+    assert cut["meta_info"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "status"),
+    [
+        (400, "anything at all", 400),
+        (413, "frame too big", 413),
+        (429, "overloaded", 429),
+        (503, "server shutting down", 503),
+        (500, "empty input_ids", 500),  # the code wins over the reason's words
+        (404, "unknown rid", 400),
+        (418, "a 4xx the front does not name", 400),
+        (599, "a 5xx the front does not name", 500),
+    ],
+)
+def test_an_error_replys_code_is_its_status(code, reason, status):
+    reply = {"rid": "q", "status": "error", "error": reason, "code": code}
+    with pytest.raises(HttpError) as e:
+        bodies.generate_reply(_item(), reply, 0, None)
+    assert (e.value.status, e.value.message) == (status, reason)
+
+
+def test_code_499_is_an_abort_whatever_the_reason():
+    reply = {"rid": "q", "status": "error", "error": "KV transfer failed: aborted", "code": 499}
+    out = bodies.generate_reply(_item(), reply, 0.1, None)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 @pytest.mark.parametrize(
     ("reason", "status"),
     [
-        ("overloaded", 503),
+        ("overloaded", 429),
         ("server shutting down", 503),
         ("frame of 5000000 bytes exceeds the limit of 4194304 bytes", 413),
         ("empty input_ids", 400),

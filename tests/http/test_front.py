@@ -219,8 +219,18 @@ def test_abort_and_flush(ids_front):
     assert ids_front.post("/abort_request", {"abort_all": True})[0] == 200
     status, out = ids_front.post("/abort_request", {"rid": 5})
     assert status == 400 and out["error"]["code"] == 400
-    status, out = ids_front.post("/flush_cache", {})
-    assert status == 501 and "flush" in out["error"]["message"]
+
+
+def test_flush_cache_drops_the_prefix_cache(ids_front):
+    prompt = list(range(300, 340))
+    replies = [ids_front.post("/generate", {"input_ids": prompt})[1] for _ in range(2)]
+    assert replies[1]["meta_info"]["cached_tokens"] > 0, replies
+    status, _, text = ids_front.request("POST", "/flush_cache")
+    assert status == 200 and text.startswith(b"cache flushed"), text
+    status, out = ids_front.post("/generate", {"input_ids": prompt})
+    assert status == 200 and out["meta_info"]["cached_tokens"] == 0, out
+    status, info = ids_front.get("/server_info")
+    assert info["internal_states"][0]["kv"]["cached_tokens"] == len(prompt) // 16 * 16
 
 
 def test_text_in_and_out_through_the_tokenizer(text_front, tokenizer_dir):

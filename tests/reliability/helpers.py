@@ -14,7 +14,14 @@ import time
 import zmq
 
 import ipc
-from mpprefill.bench.procs import RUNTIME_ENV, free_port, runtime_dir_of, terminate, worker_pid
+from mpprefill.bench.procs import (
+    RUNTIME_ENV,
+    SERVE_SOCKET_FLAGS,
+    free_port,
+    runtime_dir_of,
+    terminate,
+    worker_pid,
+)
 from mpprefill.server.client import Client
 
 
@@ -25,7 +32,8 @@ class Serve:
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile(prefix=f"mpp-{command}-", suffix=".log")  # noqa: SIM115
         env = {k: v for k, v in os.environ.items() if k != RUNTIME_ENV}
-        cmd = [sys.executable, "-m", "mpprefill", command, "--port", str(self.port), *flags]
+        port_flags = SERVE_SOCKET_FLAGS if command == "serve" else ("--port",)
+        cmd = [sys.executable, "-m", "mpprefill", command, *port_flags, str(self.port), *flags]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.runtime_dir: str | None = None  # its ipc:// socket dir, once started
 

@@ -116,7 +116,8 @@ def test_deep_nesting_and_multipart_get_errors_with_their_rid(server):
     sock = dealer(server.port)
     deep = b'{"rid": "deep", "type": "generate", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
     sock.send(deep)
-    assert recv_json(sock, 10) == {"rid": "deep", "status": "error", "error": _not_json()}
+    reply = {"rid": "deep", "status": "error", "error": _not_json(), "code": 400}
+    assert recv_json(sock, 10) == reply
     sock.send_multipart([json.dumps({"type": "stats", "rid": "mp"}).encode(), b"x"])
     reply = recv_json(sock, 10)
     assert reply["rid"] == "mp" and reply["status"] == "error"

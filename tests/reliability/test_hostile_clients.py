@@ -87,9 +87,11 @@ def test_only_the_owner_may_abort_a_request(server):
     owner.generate("owned", [1, 2, 3], bootstrap_room=11)  # waits for its decode side
     assert wait_live(owner, 1)["queues"]["live"] == 1
     other.abort("owned")
-    assert other.recv(10) == {"rid": "owned", "status": "error", "error": "unknown rid"}
+    unknown = {"rid": "owned", "status": "error", "error": "unknown rid", "code": 404}
+    assert other.recv(10) == unknown
     assert owner.stats()["queues"]["live"] == 1  # still waiting, not aborted
     owner.abort("owned")
-    assert owner.recv(10) == {"rid": "owned", "status": "error", "error": "aborted by client"}
+    aborted = {"rid": "owned", "status": "error", "error": "aborted by client", "code": 499}
+    assert owner.recv(10) == aborted
     owner.close()
     other.close()

@@ -8,14 +8,15 @@ import sys
 import pytest
 
 import ipc
-from mpprefill.bench.procs import free_port, terminate
+from mpprefill.bench.procs import SERVE_SOCKET_FLAGS, free_port, terminate
 from mpprefill.server.client import Client
 
 
 class ServerProc:
     def __init__(self, *flags: str, env: dict | None = None):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "mpprefill", "serve", "--port", str(self.port), *flags]
+        cmd = [sys.executable, "-m", "mpprefill", "serve", *SERVE_SOCKET_FLAGS, str(self.port)]
+        cmd += flags
         self.proc = subprocess.Popen(
             cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )

@@ -26,10 +26,14 @@ def front():
 
     def start() -> tuple[PrefillServer, Client]:
         args = ServerArgs(
-            forward_mode="normal", port=free_port(), disable_gc_freeze=True, log_level="warning"
+            forward_mode="normal",
+            zmq_port=free_port(),
+            disable_http_front=True,
+            disable_gc_freeze=True,
+            log_level="warning",
         )
         srv = PrefillServer(args)
-        client = Client(f"127.0.0.1:{args.port}")
+        client = Client(f"127.0.0.1:{args.zmq_port}")
         started.append((srv, client))
         return srv, client
 
