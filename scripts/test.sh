@@ -12,4 +12,5 @@ optional() {  # optional <import name> <pip requirement>
 }
 optional transformers transformers
 optional mooncake.engine mooncake-transfer-engine-non-cuda
+optional sglang_router sglang-router
 exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,99 @@
+"""A small random Hugging Face checkpoint with a tokenizer trained here, and its greedy
+`generate` as computed by transformers: the oracle of the deployment tests. Nothing is
+downloaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB = 384
+DIMS = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
+SPECIALS = ["<unk>", "<s>", "</s>"]
+BOS, EOS = 1, 2
+CORPUS = [
+    "the prefill side computes the prompt and the decode side generates the rest",
+    "a radix tree keeps the prefixes that requests share, page by page",
+    "pages of keys and values travel from one server to the other",
+    "one process issues the forward while another schedules the next batch",
+    "numbers like 12 345 6789 and words like alpha beta gamma delta",
+]
+
+
+def save_checkpoint(path: Path, arch: str = "Qwen2ForCausalLM", seed: int = 0) -> Path:
+    """`arch` with random weights (every tensor perturbed, so no weight is trivially zero),
+    `generation_config.json` naming EOS, and a byte-level BPE tokenizer trained on CORPUS
+    whose ids fit the model's vocabulary. Llama checkpoints prepend BOS (tokenizer_config's
+    `add_bos_token`); Qwen2 ones do not, as the real ones."""
+    transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
+    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizer is trained with it")
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = config_cls(**DIMS, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).eval().float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    model.generation_config.save_pretrained(str(path))
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIALS,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    assert tok.get_vocab_size() <= VOCAB
+    tok.save(str(path / "tokenizer.json"))
+    tok_config = {
+        "add_bos_token": arch.startswith("Llama"),
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return path
+
+
+def greedy_reference(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate` of each prompt alone, EOS from the checkpoint: the
+    completion tokens only (EOS included when it stopped there)."""
+    transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval().float()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=EOS,
+                pad_token_id=EOS,
+            )
+            out.append(y[0, len(ids) :].tolist())
+    return out
+
+
+def encode(path: Path, text: str) -> list[int]:
+    """The prompt ids the servers' tokenizer makes of `text` (BOS as configured)."""
+    from mpprefill.http.tokenizer import TextTokenizer
+
+    return TextTokenizer(str(path)).encode([text])[0]
