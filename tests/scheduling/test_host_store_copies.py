@@ -10,7 +10,7 @@ import torch
 
 from mpprefill.worker.fence import KVWriteFence
 from tests.scheduling.test_host_store_swa_tier import PS, SwaDevice, system
-from tests.scheduling.test_host_store_tier import Device
+from tests.scheduling.test_host_store_tier import Device, only_on_the_host
 
 
 def hold(tier) -> threading.Event:
@@ -68,12 +68,8 @@ def test_a_load_waits_for_the_fence_and_is_waited_for_before_a_read():
     tier = dev.tier()
     tier.fence = dev_fence
     ids = list(range(1, 3 * PS + 2))
-    req = dev.finish(ids)
+    req = only_on_the_host(dev, tier, ids)
     want = dev.kv.gather(req.prefix_indices[: 3 * PS]).clone()
-    tier.write_back([req])
-    tier.retire(wait=True)
-    dev.release(req)
-    dev.tree.flush()
     dev.kv.buffer.zero_()
     # forward 7, still running, writes every page: a load into any of them must wait
     dev_fence.note_writes(7, torch.arange(32 * PS))
@@ -92,11 +88,7 @@ def test_a_failed_load_raises_on_the_scheduler_thread_and_close_still_ends():
     dev = Device()
     tier = dev.tier()
     ids = list(range(1, 2 * PS + 2))
-    req = dev.finish(ids)
-    tier.write_back([req])
-    tier.retire(wait=True)
-    dev.release(req)
-    dev.tree.flush()
+    only_on_the_host(dev, tier, ids)
 
     def dead(seq: int) -> None:
         raise RuntimeError(f"forward process died before forward {seq} ended")

@@ -92,12 +92,8 @@ def test_host_pages_load_into_the_device_and_join_the_tree():
     dev = Device()
     tier = dev.tier()
     ids = list(range(1, 5 * PS + 2))
-    req = dev.finish(ids)
+    req = only_on_the_host(dev, tier, ids)
     expect = dev.kv.gather(req.prefix_indices[: 5 * PS]).clone()
-    tier.write_back([req])
-    tier.retire(wait=True)
-    dev.release(req)
-    dev.tree.flush()
     dev.kv.buffer.zero_()
     match, left = tier.match_prefix(ids, 5 * PS, lambda: 100, partial=False)
     tier.wait_loads()
@@ -140,10 +136,12 @@ def test_partial_load_takes_what_the_budget_allows():
     assert len(match.indices) == PS and left == 3
 
 
-def only_on_the_host(dev, tier, ids: list[int]) -> None:
-    """Compute ids, write their pages back, then drop them from the device cache."""
+def only_on_the_host(dev, tier, ids: list[int]) -> Req:
+    """Compute ids, write their pages back, then drop them from the device cache (their
+    pages' KV stays in the buffer until something overwrites it)."""
     req = dev.finish(ids)
     tier.write_back([req])
     tier.retire(wait=True)
     dev.release(req)
     dev.tree.flush()
+    return req
