@@ -19,8 +19,8 @@ import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
+import select
 import threading
-from multiprocessing.connection import wait as wait_any
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,7 @@ class RankLink:
 
     def ended(self) -> bool:
         """Whether the process has ended (its sentinel fires before it can be reaped)."""
-        return not self.proc.is_alive() or bool(wait_any([self.proc.sentinel], 0))
+        return not self.proc.is_alive() or _fired([self.proc.sentinel], 0)
 
     @property
     def label(self) -> str:
@@ -140,7 +140,7 @@ class GroupSentinel:
         return self._read
 
     def _watch(self, sentinels: list[int]) -> None:
-        wait_any(sentinels)
+        _fired(sentinels, None)
         with contextlib.suppress(OSError):  # the read end may be closed already
             os.write(self._write, b"x")
         os.close(self._write)  # NOTE: only this thread closes it, so no reused fd is hit
@@ -165,3 +165,9 @@ def stop_process(proc: mp.process.BaseProcess, wait_s: float = 5) -> None:
 def drop_channel(ch: ipc.Channel) -> None:
     ch.close()
     ipc.remove_ipc_endpoint(ch.endpoint)
+
+
+def _fired(sentinels: list[int], timeout: float | None) -> bool:
+    """Whether any process sentinel (a file descriptor on POSIX) is readable, i.e. ended."""
+    readable, _, _ = select.select(sentinels, [], [], timeout)
+    return bool(readable)
