@@ -91,6 +91,7 @@ class PrefillEngine:
             self._loop(s, until)
         except WorkerDied as e:
             s.reqs.fail_all(str(e))
+            self.worker.kill_now()  # a stalled rank would not answer a graceful exit
             self.close()
             raise
         if self.args.check_invariants:

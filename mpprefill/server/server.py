@@ -262,6 +262,7 @@ class PrefillServer:
         except WorkerDied as e:
             logger.error("forward worker failed: %s", e)
             reason, self.exit_code = f"worker failure: {e}", 1
+            self.worker.kill_now()  # a stalled process would not answer a graceful exit
         except TransferDied as e:
             logger.error("KV transfer failed: %s", e)
             reason, self.exit_code = f"transfer failure: {e}", 1

@@ -53,6 +53,7 @@ class ProcessWorker(Worker):
         self._pending: deque[ForwardInput] = deque()
         self._kv: KVCache | None = None
         self._sentinel: GroupSentinel | None = None
+        self._closed = False
         with contextlib.ExitStack() as undo:  # a start that fails leaves nothing behind
             undo.callback(ipc.remove_prefix, self.prefix)
             self._start(args, hooks or DeviceHooks.from_env(), undo)
@@ -259,6 +260,9 @@ class ProcessWorker(Worker):
         return sum(ch.bytes_sent + ch.bytes_recv for ch in channels)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         for rank in self.ranks:
             if rank.proc.is_alive():
                 with contextlib.suppress(ipc.MailboxError):

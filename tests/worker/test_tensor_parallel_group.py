@@ -118,8 +118,8 @@ def test_a_hung_rank_fails_the_group_within_the_forward_timeout(model_dir):
         try:
             with pytest.raises(WorkerDied):
                 eng.prefill(prompts)
-            # the 3 s collective timeout, then the group stop (5 s for the hung rank to exit)
-            assert stopped_at and time.monotonic() - stopped_at[0] < 3.0 + 5.0 + 5.0
+            # the 3 s collective timeout, then the failed group is killed (no graceful wait)
+            assert stopped_at and time.monotonic() - stopped_at[0] < 3.0 + 10.0  # loaded CI slack
         finally:
             with contextlib.suppress(ProcessLookupError):  # gone once the group was stopped
                 os.kill(hung, signal.SIGCONT)
