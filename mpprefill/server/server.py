@@ -143,8 +143,8 @@ class PrefillServer:
         elif isinstance(msg, protocol.Abort):
             self._abort(ident, msg.rid)
         elif isinstance(msg, protocol.FlushCache):
-            ok, why = self._flush_cache()
-            self._send(ident, protocol.control_reply(msg.rid, "flush_cache", ok, why))
+            ok, why, extra = self._flush_cache()
+            self._send(ident, protocol.control_reply(msg.rid, "flush_cache", ok, why, **extra))
         elif isinstance(msg, protocol.StartProfile):
             ok, why = self.profiler.start(msg, self.scheduler.metrics.num_batches)
             self._send(ident, protocol.control_reply(msg.rid, "start_profile", ok, why))
@@ -211,18 +211,19 @@ class PrefillServer:
             return Code.BAD_REQUEST
         return Code.INTERNAL
 
-    def _flush_cache(self) -> tuple[bool, str]:
-        """SGLang's flush: the prefix cache is dropped only while no request is live."""
+    def _flush_cache(self) -> tuple[bool, str, dict]:
+        """SGLang's flush: the prefix cache (and the host tier under it) is dropped only
+        while no request is live; the tokens dropped per tier."""
         s = self.scheduler
         busy = len(s.reqs.live) + len(s.reqs.incoming) + len(self._arriving)
         if busy or s.forwards_in_flight or s.reqs.chunked_req is not None:
-            return False, f"cache not flushed: {busy} requests are not finished"
-        if s.host_tier is not None:
-            s.host_tier.retire(wait=True)  # host copies of cached pages end first
-        cached = s.tree.total_size()
-        s.tree.flush()
-        logger.info("flushed the prefix cache (%d tokens)", cached)
-        return True, f"cache flushed ({cached} tokens)"
+            return False, f"cache not flushed: {busy} requests are not finished", {}
+        flushed = s.flush_caches()
+        why = f"cache flushed: {flushed.device} tokens on the device"
+        if flushed.host is not None:
+            why += f", {flushed.host} on the host"
+        logger.info(why)
+        return True, why, {"flushed_tokens": flushed._asdict()}
 
     def _send(self, ident: bytes, payload: bytes) -> None:
         try:
