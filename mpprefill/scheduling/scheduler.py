@@ -149,9 +149,11 @@ class Scheduler:
                 req.status = ReqStatus.WAITING
                 self.reqs.waiting.append(req)
             elif state == KVPoll.Failed:
+                self.metrics.num_bootstrap_failed += 1
                 reason = f"bootstrap failed: {req.sender.failure_reason()}"
                 self.reqs.fail(req, reason, release=False)
             elif now - req.arrival_time > self.args.bootstrap_timeout:
+                self.metrics.num_bootstrap_failed += 1
                 req.sender.abort()
                 self.reqs.fail(req, "bootstrap timed out", release=False)
             else:
