@@ -174,14 +174,20 @@ class PrefillServer:
         if self._closing is not None:
             self._send(ident, protocol.error_reply(msg.rid, self._closing, self._closing_code))
         elif msg.rid in reqs.live or msg.rid in self._owner:
-            error = "duplicate rid while the first is live"
-            self._send(ident, protocol.error_reply(msg.rid, error, Code.BAD_REQUEST))
+            self._refuse(ident, msg, "duplicate rid while the first is live", Code.BAD_REQUEST)
         elif self._queued() >= self.args.max_queued_requests:
-            self._send(ident, protocol.error_reply(msg.rid, "overloaded", Code.OVERLOADED))
+            self._refuse(ident, msg, "overloaded", Code.OVERLOADED)
         else:
             self._owner[msg.rid] = ident
             req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.bootstrap_room)
             self._arriving[msg.rid] = req
+
+    def _refuse(self, ident: bytes, msg: protocol.Generate, why: str, code: int) -> None:
+        """An error reply for a request never made live; its room's decode side hears of
+        it through the bootstrap endpoint."""
+        if msg.bootstrap_room is not None:
+            self.transfer.refuse(msg.bootstrap_room, why)
+        self._send(ident, protocol.error_reply(msg.rid, why, code))
 
     def _queued(self) -> int:
         reqs = self.scheduler.reqs
@@ -191,6 +197,8 @@ class PrefillServer:
         ident = self._owner.pop(req.rid, None)
         aborted = req.rid in self._aborted
         self._aborted.discard(req.rid)
+        if req.error and req.sender is None and req.bootstrap_room is not None:
+            self.transfer.refuse(req.bootstrap_room, req.error)  # refused, or aborted early
         if ident is None:
             return
         if req.error:
