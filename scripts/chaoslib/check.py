@@ -154,8 +154,13 @@ def check_tokens(records: list[Record], page_size: int, chunk: int, **model_kw) 
             else:
                 wrong.append((rec.rid, k, got, want))
     prompts = len({tuple(r.prompt) for r in done})
-    return {"checked": len(done), "prompts": prompts, "sequences": len(ref),
-            "near_ties": ties, "wrong": wrong}  # fmt: skip
+    return {
+        "checked": len(done),
+        "prompts": prompts,
+        "sequences": len(ref),
+        "near_ties": ties,
+        "wrong": wrong,
+    }
 
 
 def _steps(rec: Record) -> list[tuple[tuple[int, ...], object]]:
@@ -284,7 +289,7 @@ def summarize(run, invariants: dict, exits: dict, leaks: dict) -> dict:
         "registrations": {
             "accepted": r.counts["rooms_registered"],
             "refused": len(r.room_refusals),
-        },  # fmt: skip
+        },
         "invariants": invariants,
         "server_counters": _counters(run.drain_stats),
         "exits": exits,

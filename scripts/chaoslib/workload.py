@@ -30,8 +30,8 @@ class Record:
     t_abort: float | None = None
     t_reply: float | None = None
     outstanding_at_send: int = 0
-    outstanding_peak: int = 0  # router: the most outstanding while it was (it reaches the
-    # prefill some time after its send, behind the requests sent meanwhile)
+    # router: the most outstanding while in flight (it reaches the prefill after its send)
+    outstanding_peak: int = 0
     replies: list[dict] = field(default_factory=list)  # prefill answers to the generate
     unknown_abort_replies: int = 0  # "unknown rid" answers to our abort (it raced the end)
     decode_replies: list[dict] = field(default_factory=list)
