@@ -13,7 +13,7 @@ from mpprefill.disagg.sender import FakeTransfer
 from mpprefill.sampling import SamplingParams
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
-from mpprefill.scheduling.scheduler import Scheduler
+from mpprefill.scheduling.scheduler import Flushed, Scheduler
 from mpprefill.worker.api import WorkerDied
 from mpprefill.worker.factory import make_worker
 
@@ -109,8 +109,9 @@ class PrefillEngine:
 
         check_drained(self.scheduler, flush=flush)
 
-    def flush_cache(self) -> None:
-        self.scheduler.tree.flush()
+    def flush_cache(self) -> Flushed:
+        """Drop the prefix cache and the host tier; the tokens dropped per tier."""
+        return self.scheduler.flush_caches()
 
     def close(self) -> None:
         if not self._closed:

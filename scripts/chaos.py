@@ -1,15 +1,26 @@
 #!/usr/bin/env python3
 """Chaos run: `mpprefill serve` + `mpprefill decode` (shm) under load, with faults injected.
 
+Two legs share the prefill. The ZeroMQ leg drives serve's socket and a decode receiver,
+registering each room at the receiver and at serve's bootstrap endpoint
+(--disaggregation-bootstrap-port), as a decode server does. The router leg sends a
+fraction of the normal and burst load (--router-fraction) through SGLang's router in PD mode
+(`python -m sglang_router.launch_router --pd-disaggregation`, retries and circuit breaker
+off) in front of serve's HTTP front and a generating `mpprefill decode`, greedy, 1 to 8 new
+tokens, half of them streamed; it is skipped, with the reason, where sglang_router is not
+importable.
+
 Faults, all seeded: aborts aimed at each stage (waiting, bootstrapping, mid-chunk,
 transfer), malformed and hostile frames, the decode receiver SIGKILLed and restarted,
 slow transfers (the decode's test-only `--test-transfer-delay-ms`), a burst that overfills
 the small KV pool and the request queue, and near the end a SIGKILL of the forward process.
 
 It then checks: every request got exactly one reply; every done reply's first token is the
-offline normal-mode engine's; every error is explained by a fault; DESIGN.md's invariants
-hold after the drain before the worker kill; no shared segment and no ipc:// socket file of
-the run is left. Exit status 0 only if every check passes.
+offline normal-mode engine's, and each token of a router reply the engine's greedy token
+after the prompt and the reply's tokens before it; every error is explained by a fault;
+the bootstrap endpoint refused only rooms of failed requests; DESIGN.md's invariants hold
+after the drain before the worker kill; no shared segment, no ipc:// socket file and no
+HTTP front of the run is left. Exit status 0 only if every check passes.
 
     python scripts/chaos.py --duration 60 --num-requests 1000 --seed 1
 """
@@ -42,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--abort-p", type=float, default=0.08, help="requests that get an abort")
     ap.add_argument("--slow-p", type=float, default=0.05, help="requests with a slow transfer")
     ap.add_argument("--slow-ms", type=float, default=1500.0, help="how slow a slow transfer is")
+    ap.add_argument(
+        "--router-fraction",
+        type=float,
+        default=0.1,
+        help="share of the normal and burst load sent through SGLang's router (0: no router leg)",
+    )
     ap.add_argument("--sliding-window", type=int, help="make the model's layers slide")
     ap.add_argument("--swa-layers", help="which layers slide (as `mpprefill serve`)")
     ap.add_argument("--json", help="also write the summary here")
@@ -61,8 +78,15 @@ def report(s: dict) -> None:
     print("errors explained by: " + _fmt(s["replies"]["explained"]))
     print(
         f"tokens: {s['tokens']['checked']} done replies checked against "
-        f"{s['tokens']['prompts']} offline prompts, near ties {s['tokens']['near_ties']}"
+        f"{s['tokens']['sequences']} offline sequences ({s['tokens']['prompts']} prompts), "
+        f"near ties {s['tokens']['near_ties']}"
     )
+    router = s["router"]
+    if "skipped" in router:
+        print(f"router leg: skipped ({router['skipped']})")
+    else:
+        print("router leg: " + _fmt({k: v for k, v in router.items() if k != "problems"}))
+    print("bootstrap registrations: " + _fmt(s["registrations"]))
     print(f"invariants after drain: {s['invariants']}")
     print(f"server counters at the drain: {s['server_counters']}")
     print(f"exits: {s['exits']}")

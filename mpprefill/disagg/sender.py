@@ -99,6 +99,9 @@ class FakeTransfer:
     def create_sender(self, req) -> KVSender:
         return FakeSender()
 
+    def refuse(self, room: int, reason: str) -> None:
+        pass
+
     def raise_if_dead(self) -> None:
         pass
 

@@ -120,6 +120,7 @@ class TransferBackend:
         self._links: dict[str, _Link] = {}  # by decode address
         self._link_of: dict[int, _Link] = {}  # room -> the link its sender is bound to
         self._registrant: dict[int, bytes] = {}  # room -> who registered it (endpoint)
+        self._refused: dict[int, tuple[str, float]] = {}  # room -> (why, until), by expiry
         self._closed = False
         self.death: str | None = None  # why the thread failed
         self._ctx = zmq.Context()
@@ -158,6 +159,13 @@ class TransferBackend:
             sender.hand_over()
             self.commands.put(TransferCmd("start", sender))
         return sender
+
+    def refuse(self, room: int, reason: str) -> None:
+        """The request for `room` was refused before it got a sender (overloaded, bad
+        input, aborted on arrival): a decode server that registered the room, or registers
+        it later, is refused at once instead of waiting for KV that never comes."""
+        if self.endpoint is not None and not self._closed:
+            self.commands.put(TransferCmd("refuse", None, room=room, reason=reason))
 
     def raise_if_dead(self) -> None:
         """TransferDied once the thread has failed: no request could send its KV again."""
@@ -263,7 +271,9 @@ class TransferBackend:
                 return True
             if cmd is None:
                 return False
-            if cmd.kind == "start":
+            if cmd.kind == "refuse":
+                self._refuse(cmd.room, cmd.reason)
+            elif cmd.kind == "start":
                 self._start(cmd.sender)
             elif cmd.kind == "send":
                 self._send_pages(cmd, after)
@@ -290,7 +300,8 @@ class TransferBackend:
             self._bind(s, reg.address)
 
     def _drop(self, s: TransferSender) -> None:
-        """The thread lets go of `s`: none of its pages is read after this."""
+        """The thread lets go of `s`: none of its pages is read after this. A sender that
+        no decode had registered yet failed: its room is refused to a late registrant."""
         if self._live.get(s.room) is s:
             del self._live[s.room]
             self._next_try.pop(s.room, None)
@@ -299,7 +310,24 @@ class TransferBackend:
             if link is not None:
                 link.rooms.discard(s.room)
                 link.idle_since = time.monotonic()
+            elif self.endpoint is not None:
+                self._refuse(s.room, s.failure_reason())
         s.let_go()
+
+    def _refuse(self, room: int, reason: str) -> None:
+        """Refuse `room` to its registrant: the one waiting now, or the next one within the
+        registrations' expiry."""
+        if room in self._live:  # a live request of that room: not this refusal's
+            return
+        why = f"the prefill refused the request: {wire.brief(reason)}"
+        reg = self.endpoint.take(room)
+        if reg is not None:
+            self.endpoint.refuse(reg.ident, room, why)
+            return
+        self._refused.pop(room, None)
+        self._refused[room] = (why, time.monotonic() + self.endpoint.expiry_s)
+        while len(self._refused) > self.endpoint.max_waiting:
+            del self._refused[next(iter(self._refused))]
 
     def _read_endpoint(self) -> None:
         """Registrations and withdrawals from decode servers (bootstrap.py)."""
@@ -312,7 +340,10 @@ class TransferBackend:
     def _register(self, ident: bytes, msg: wire.RegisterRoom) -> None:
         s = self._live.get(msg.room)
         link = self._link_of.get(msg.room)
-        if s is None:
+        refused = self._refused.pop(msg.room, None)
+        if s is None and refused is not None:
+            why = refused[0]
+        elif s is None:
             why = self.endpoint.hold(ident, msg)
         elif link is None:
             self._registrant[msg.room] = ident
@@ -450,6 +481,8 @@ class TransferBackend:
     def _tick(self, now: float) -> None:
         if self.endpoint is not None:
             self.endpoint.expire(now)
+            while self._refused and next(iter(self._refused.values()))[1] < now:
+                del self._refused[next(iter(self._refused))]
         for link in list(self._links.values()):
             self._tend(link, now)
         self._expire(now)
@@ -502,7 +535,7 @@ class TransferBackend:
                 cmd, _ = self.commands.get()
             except queue.Empty:
                 break
-            if cmd is not None:
+            if cmd is not None and cmd.sender is not None:
                 cmd.sender.fail(why)
                 cmd.sender.let_go()
         for link in self._links.values():

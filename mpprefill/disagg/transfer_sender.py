@@ -27,14 +27,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class TransferCmd:
-    kind: str  # "start" | "send" | "abort"
-    sender: TransferSender
+    kind: str  # "start" | "send" | "abort" | "refuse"
+    sender: TransferSender | None  # None for "refuse": a request that never got one
     src: torch.Tensor | None = None
     dst: torch.Tensor | None = None
     last: bool = False
     first_token: int | None = None
     swa_src: torch.Tensor | None = None  # the last window's pages in the prefill SWA pool
     swa_dst: torch.Tensor | None = None  # ... and in the decode pool
+    room: int | None = None  # "refuse": the room of the refused request
+    reason: str = ""  # "refuse": why it was refused
 
 
 class CommandQueue:

@@ -175,6 +175,11 @@ class SchedulerCollector:
                 "Requests whose KV transfer failed.",
                 c.get("num_transfer_failed", 0),
             ),
+            (
+                "sglang:num_bootstrap_failed_reqs_total",
+                "Requests that failed while waiting for their decode side (bootstrap).",
+                c.get("num_bootstrap_failed", 0),
+            ),
             ("mpprefill:batches_total", "Forward batches run.", c["num_batches"]),
             ("mpprefill:batch_tokens_total", "Tokens forwarded.", c["batch_tokens"]),
             ("mpprefill:forward_seconds_total", "Host time of the forwards.", c["forward_s"]),

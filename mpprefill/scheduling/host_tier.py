@@ -11,6 +11,7 @@ the store's copy thread (`HostCopier`), in the order planned:
   one per request with batched write-back off). The tier locks the tree nodes whose pages
   the copy reads until it retires, so none is evicted and reused under it.
 - `retire` (top of every loop iteration): finished copies become matchable, their locks go.
+- `flush` (a cache flush, nothing live): every copy ends, then the whole store is dropped.
 - `note_submit` (each submit): which SWA pages a forward writes, the SWA pool's KV fence.
 
 With sliding-window (SWA) layers a prefix of length m is usable only with the SWA KV of
@@ -309,6 +310,12 @@ class HostTier:
                 self.tree.dec_lock_ref(node)
         self.metrics.host_written_tokens += done
         return done
+
+    def flush(self) -> int:
+        """Drop the whole host store once every copy in flight has ended (write-backs
+        retired, their nodes unlocked); tokens dropped."""
+        self.retire(wait=True)
+        return self.store.flush()
 
     def check(self) -> None:
         self.store.check()

@@ -45,6 +45,7 @@ class SchedulerMetrics:
     batch_shapes: list[tuple[list[int], list[int]]] | None = None  # (prefix, extend) lens
     num_transfers: int = 0  # KV transfers that succeeded
     num_transfer_failed: int = 0
+    num_bootstrap_failed: int = 0  # failed while waiting for their decode side
     transfer_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_TRANSFERS))
     _transfer_t0: dict[str, float] = field(default_factory=dict)  # rid -> its last chunk done
     _aborted: set[str] = field(default_factory=set)  # rids their client aborted, until finished
@@ -126,6 +127,7 @@ class SchedulerMetrics:
             "sched_s": sum(self.phase_s.get(p, 0.0) for p in SCHED_PHASES),
             "num_transfers": self.num_transfers,
             "num_transfer_failed": self.num_transfer_failed,
+            "num_bootstrap_failed": self.num_bootstrap_failed,
             "kv_transfer_latency_ms": _mean(self.transfer_ms),
             "phase_n": dict(self.phase_n),
         }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -33,6 +33,13 @@ from mpprefill.worker.api import ForwardResult, Worker
 
 if TYPE_CHECKING:
     from mpprefill.disagg.transfer import TransferBackend
+
+
+class Flushed(NamedTuple):
+    """Tokens a cache flush dropped, per tier."""
+
+    device: int
+    host: int | None  # None: no host tier
 
 
 class Scheduler:
@@ -93,6 +100,19 @@ class Scheduler:
         self.reqs.live[req.rid] = req
         self.reqs.bootstrap_queue.append(req)
 
+    def flush_caches(self) -> Flushed:
+        """Drop the prefix cache and the host tier under it; the caller makes sure nothing
+        is live. The host tier's copies in flight end first: write-backs lock tree nodes,
+        and a load may still read host pages."""
+        host = None
+        if self.host_tier is not None:
+            self.host_tier.retire(wait=True)
+        device = self.tree.total_size()
+        self.tree.flush()
+        if self.host_tier is not None:
+            host = self.host_tier.flush()
+        return Flushed(device, host)
+
     def idle(self, busy: bool) -> None:
         """Between iterations: return at once when busy, else wait briefly for requests."""
         if busy or self.reqs.incoming:
@@ -129,9 +149,11 @@ class Scheduler:
                 req.status = ReqStatus.WAITING
                 self.reqs.waiting.append(req)
             elif state == KVPoll.Failed:
+                self.metrics.num_bootstrap_failed += 1
                 reason = f"bootstrap failed: {req.sender.failure_reason()}"
                 self.reqs.fail(req, reason, release=False)
             elif now - req.arrival_time > self.args.bootstrap_timeout:
+                self.metrics.num_bootstrap_failed += 1
                 req.sender.abort()
                 self.reqs.fail(req, "bootstrap timed out", release=False)
             else:

@@ -143,8 +143,8 @@ class PrefillServer:
         elif isinstance(msg, protocol.Abort):
             self._abort(ident, msg.rid)
         elif isinstance(msg, protocol.FlushCache):
-            ok, why = self._flush_cache()
-            self._send(ident, protocol.control_reply(msg.rid, "flush_cache", ok, why))
+            ok, why, extra = self._flush_cache()
+            self._send(ident, protocol.control_reply(msg.rid, "flush_cache", ok, why, **extra))
         elif isinstance(msg, protocol.StartProfile):
             ok, why = self.profiler.start(msg, self.scheduler.metrics.num_batches)
             self._send(ident, protocol.control_reply(msg.rid, "start_profile", ok, why))
@@ -174,14 +174,20 @@ class PrefillServer:
         if self._closing is not None:
             self._send(ident, protocol.error_reply(msg.rid, self._closing, self._closing_code))
         elif msg.rid in reqs.live or msg.rid in self._owner:
-            error = "duplicate rid while the first is live"
-            self._send(ident, protocol.error_reply(msg.rid, error, Code.BAD_REQUEST))
+            self._refuse(ident, msg, "duplicate rid while the first is live", Code.BAD_REQUEST)
         elif self._queued() >= self.args.max_queued_requests:
-            self._send(ident, protocol.error_reply(msg.rid, "overloaded", Code.OVERLOADED))
+            self._refuse(ident, msg, "overloaded", Code.OVERLOADED)
         else:
             self._owner[msg.rid] = ident
             req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.bootstrap_room)
             self._arriving[msg.rid] = req
+
+    def _refuse(self, ident: bytes, msg: protocol.Generate, why: str, code: int) -> None:
+        """An error reply for a request never made live; its room's decode side hears of
+        it through the bootstrap endpoint."""
+        if msg.bootstrap_room is not None:
+            self.transfer.refuse(msg.bootstrap_room, why)
+        self._send(ident, protocol.error_reply(msg.rid, why, code))
 
     def _queued(self) -> int:
         reqs = self.scheduler.reqs
@@ -191,6 +197,8 @@ class PrefillServer:
         ident = self._owner.pop(req.rid, None)
         aborted = req.rid in self._aborted
         self._aborted.discard(req.rid)
+        if req.error and req.sender is None and req.bootstrap_room is not None:
+            self.transfer.refuse(req.bootstrap_room, req.error)  # refused, or aborted early
         if ident is None:
             return
         if req.error:
@@ -211,18 +219,19 @@ class PrefillServer:
             return Code.BAD_REQUEST
         return Code.INTERNAL
 
-    def _flush_cache(self) -> tuple[bool, str]:
-        """SGLang's flush: the prefix cache is dropped only while no request is live."""
+    def _flush_cache(self) -> tuple[bool, str, dict]:
+        """SGLang's flush: the prefix cache (and the host tier under it) is dropped only
+        while no request is live; the tokens dropped per tier."""
         s = self.scheduler
         busy = len(s.reqs.live) + len(s.reqs.incoming) + len(self._arriving)
         if busy or s.forwards_in_flight or s.reqs.chunked_req is not None:
-            return False, f"cache not flushed: {busy} requests are not finished"
-        if s.host_tier is not None:
-            s.host_tier.retire(wait=True)  # host copies of cached pages end first
-        cached = s.tree.total_size()
-        s.tree.flush()
-        logger.info("flushed the prefix cache (%d tokens)", cached)
-        return True, f"cache flushed ({cached} tokens)"
+            return False, f"cache not flushed: {busy} requests are not finished", {}
+        flushed = s.flush_caches()
+        why = f"cache flushed: {flushed.device} tokens on the device"
+        if flushed.host is not None:
+            why += f", {flushed.host} on the host"
+        logger.info(why)
+        return True, why, {"flushed_tokens": flushed._asdict()}
 
     def _send(self, ident: bytes, payload: bytes) -> None:
         try:

@@ -2,8 +2,12 @@
 
 workload   seeded requests, each with the fault planned for it
 hostile    malformed and hostile frames
-router     the bench router plus a socket for hostile frames; files every reply
-procs      what the bench's process helpers lack: a decode restart on its port, stats
+router     the bench router plus sockets for hostile frames and the bootstrap endpoint;
+           files every reply
+gateway    the router leg: SGLang's router in front of serve's HTTP front and a
+           generating decode server, and the requests sent through it
+procs      what the bench's process helpers lack: a decode restart on its port, a decode
+           server with its HTTP front, stats, leftovers
 run        the phases: start, load, drain, worker kill, stop
 check      the verdict
 """

@@ -46,10 +46,10 @@ def hostile_frames(rng: random.Random, n: int) -> list[Hostile]:
 def foreign_abort(
     rng: random.Random, records: Iterable[Record], taken: Container[str]
 ) -> Hostile | None:
-    """An abort, from the hostile client, of a request it does not own: one still unanswered,
-    with no abort of its own planned (so an abort that wrongly lands stays unexplained) and
-    not aimed at before (`taken`)."""
-    victims = [r.rid for r in records if not r.replies and r.abort_stage is None]
+    """An abort, from the hostile client, of a request it does not own: one of the socket's
+    still unanswered, with no abort of its own planned (so an abort that wrongly lands
+    stays unexplained) and not aimed at before (`taken`)."""
+    victims = [r.rid for r in records if not r.replies and r.abort_stage is None and r.via == "zmq"]
     victims = [rid for rid in victims if rid not in taken]
     if not victims:
         return None

@@ -1,5 +1,9 @@
 """The chaos run's router: the bench router's sockets and frames, plus a socket for hostile
-frames; files every reply under its request."""
+frames and one to the prefill's bootstrap endpoint; files every reply under its request.
+
+A room is registered as a decode server registers it: at the decode receiver (which
+allocates its pages) and at the prefill's bootstrap endpoint, naming that receiver. The
+router leg's requests (`track`, `answer`) are counted and filed here too."""
 
 from __future__ import annotations
 
@@ -17,12 +21,18 @@ THROWAWAY_S = 2.0  # how long a socket of its own keeps a frame ZeroMQ will drop
 
 
 class ChaosRouter(Router):
-    def __init__(self, prefill_port: int, decode_port: int):
+    def __init__(self, prefill_port: int, decode_port: int, bootstrap_port: int):
         super().__init__(prefill_port, decode_port)
         self.prefill_port = prefill_port
+        self.decode_address = f"127.0.0.1:{decode_port}"
         self.hostile = dealer(self.ctx, prefill_port)
-        self.poller.register(self.hostile, zmq.POLLIN)
+        self.endpoint = dealer(self.ctx, bootstrap_port)
+        for sock in (self.hostile, self.endpoint):
+            self.poller.register(sock, zmq.POLLIN)
         self.records: dict[str, Record] = {}
+        self.by_room: dict[int, Record] = {}
+        self._routed: dict[str, Record] = {}  # the router leg's requests in flight
+        self.room_refusals: list[tuple[int, str]] = []  # (room, why) the endpoint refused
         self.hostiles: dict[str, Hostile] = {}
         self.hostile_sent: list[Hostile] = []
         self.null_rid_replies = 0
@@ -33,21 +43,39 @@ class ChaosRouter(Router):
 
     # ---- sending -------------------------------------------------------------------------
 
-    def send(self, rec: Record) -> None:
+    def track(self, rec: Record) -> None:
+        """A request sent, by this socket or through the router leg."""
         self.records[rec.rid] = rec
         rec.t_send = time.monotonic()
         rec.outstanding_at_send = self.outstanding
+        self.outstanding += 1
+        self.counts["sent"] += 1
+        if rec.via == "router":
+            self._routed[rec.rid] = rec
+        for r in self._routed.values():
+            r.outstanding_peak = max(r.outstanding_peak, self.outstanding - 1)
+
+    def send(self, rec: Record) -> None:
+        self.track(rec)
+        self.by_room[rec.room] = rec
         if rec.kind != "toolong" and rec.register_after <= 0:
             self.register(rec)
         self.send_generate(rec.rid, rec.prompt, rec.room)
-        self.outstanding += 1
-        self.counts["sent"] += 1
 
     def register(self, rec: Record) -> None:
         if rec.replies:  # the prefill already answered: the room would never be used
             return
         rec.registered = True
         self.send_register(rec.rid, rec.room, rec.prompt)
+        msg = {"type": "register_room", "room": rec.room, "address": self.decode_address}
+        self.endpoint.send(json.dumps(msg).encode())
+
+    def answer(self, rec: Record, reply: dict) -> None:
+        """The router leg's answer to `rec`."""
+        self._routed.pop(rec.rid, None)
+        rec.replies.append(reply)
+        if len(rec.replies) == 1:
+            self._answered(rec, reply)
 
     def abort(self, rec: Record) -> bool:
         if rec.replies:
@@ -74,6 +102,7 @@ class ChaosRouter(Router):
             self.prefill: self._on_prefill,
             self.decode: self._on_decode,
             self.hostile: self._on_hostile,
+            self.endpoint: self._on_endpoint,
         }
         for sock, _ in self.poller.poll(timeout_ms):
             _drain(sock, handlers[sock])
@@ -111,6 +140,14 @@ class ChaosRouter(Router):
         else:
             self.stray.append({"from": "decode", **reply})
 
+    def _on_endpoint(self, reply: dict) -> None:
+        if reply.get("type") == "room_reply" and reply.get("ok") is True:
+            self.counts["rooms_registered"] += 1
+        elif reply.get("type") == "room_reply":
+            self.room_refusals.append((reply.get("room"), reply.get("error") or ""))
+        else:
+            self.stray.append({"from": "endpoint", **reply})
+
     def _on_hostile(self, reply: dict) -> None:
         rid = reply.get("rid")
         if rid is None:
@@ -124,6 +161,7 @@ class ChaosRouter(Router):
         for _, sock in self._throwaway:
             sock.close(linger=0)
         self.hostile.close(linger=0)
+        self.endpoint.close(linger=0)
         super().close()
 
 

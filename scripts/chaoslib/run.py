@@ -14,13 +14,20 @@ import threading
 import time
 from collections import Counter, deque
 
-from chaoslib import procs
+from chaoslib import gateway, procs
 from chaoslib.check import Faults, summarize
 from chaoslib.hostile import foreign_abort, hostile_frames
 from chaoslib.hostile_decode import HostileDecode
 from chaoslib.router import ChaosRouter
 from chaoslib.workload import SLOW_EVERY, ChaosWorkload, Record
-from mpprefill.bench.procs import Child, runtime_dir_of, start_decode, start_server, worker_pid
+from mpprefill.bench.procs import (
+    Child,
+    free_port,
+    runtime_dir_of,
+    start_decode,
+    start_server,
+    worker_pid,
+)
 
 FINAL_REQUESTS = 24
 HOSTILE_DECODE_S = 3.0  # a hostile peer holds the decode port this long during the restart
@@ -58,6 +65,13 @@ class ChaosRun:
         self.decode: Child | None = None
         self.decodes: list[Child] = []  # every decode receiver started, the killed one too
         self.router: ChaosRouter | None = None
+        self.bootstrap_port = free_port()
+        self.router_skipped = gateway.unavailable() if args.router_fraction > 0 else "off"
+        self.gateway: gateway.Gateway | None = None
+        self.leg: gateway.RouterLeg | None = None
+        self.router_decode: Child | None = None  # the generating decode behind the router
+        self.fronts: list[int] = []  # pids of the HTTP fronts serve and that decode spawned
+        self.routed = 0  # requests sent through the router leg
         self.runtime_dir: str | None = None
         self._restart: threading.Thread | None = None
         self.hostile_decode: HostileDecode | None = None
@@ -78,7 +92,8 @@ class ChaosRun:
             *("--max-total-tokens", str(a.max_total_tokens), "--max-running-requests", "16"),
             *("--max-prefill-tokens", "512", "--max-queued-requests", str(a.max_queued_requests)),
             *("--disaggregation-transfer-backend", "shm", "--bootstrap-timeout", "8"),
-            *("--decode-address", f"127.0.0.1:{self.decode.port}", "--worker-threads", "1"),
+            *("--disaggregation-bootstrap-port", str(self.bootstrap_port)),
+            *("--worker-threads", "1"),
             *("--check-invariants", "--log-level", "warning"),
             *swa_flags(a),
         ]
@@ -92,13 +107,39 @@ class ChaosRun:
             *("--test-transfer-delay-every", str(SLOW_EVERY)),
         ]
 
+    def router_decode_flags(self) -> list[str]:
+        """The generating decode server behind SGLang's router (no test delay)."""
+        a = self.args
+        return [
+            *("--page-size", str(a.page_size), "--max-total-tokens", "32768"),
+            *("--disaggregation-transfer-backend", "shm", "--log-level", "warning"),
+            *("--waiting-timeout", "60"),
+            *swa_flags(a),
+        ]
+
     def start(self) -> None:
+        leg = self.router_skipped is None
         self.decode = start_decode(self.decode_flags(), self.log_dir)
         self.decodes.append(self.decode)
-        self.serve = start_server(self.serve_flags(), self.log_dir)
+        if leg:
+            self.router_decode = procs.start_generating_decode(
+                self.router_decode_flags(), self.log_dir
+            )
+            self.decodes.append(self.router_decode)
+        self.serve = start_server(self.serve_flags(), self.log_dir, http=leg)
         worker = worker_pid(self.serve.proc.pid)
         self.runtime_dir = runtime_dir_of(worker) if worker else None
-        self.router = ChaosRouter(self.serve.port, self.decode.port)
+        self.router = ChaosRouter(self.serve.port, self.decode.port, self.bootstrap_port)
+        if leg:
+            self.fronts = procs.http_fronts(self.serve, self.router_decode)
+            self.gateway = gateway.Gateway(
+                self.serve.http_port,
+                self.bootstrap_port,
+                self.router_decode.http_port,
+                self.log_dir,
+            )
+            self.gateway.wait_ready()
+            self.leg = gateway.RouterLeg(self.gateway.port)
 
     def restart_decode(self) -> None:
         worker = worker_pid(self.serve.proc.pid)
@@ -126,8 +167,9 @@ class ChaosRun:
         w = self.workload
         n_burst = min(a.max_queued_requests + 64, max(1, a.num_requests // 3))
         n_normal = max(0, a.num_requests - n_burst - 3 - FINAL_REQUESTS)
-        normal = [w.request("normal", a.abort_p, a.slow_p) for _ in range(n_normal)]
-        burst = [w.request("burst", a.abort_p) for _ in range(n_burst)]
+        router_p = a.router_fraction if self.leg is not None else 0.0
+        normal = [w.request("normal", a.abort_p, a.slow_p, router_p) for _ in range(n_normal)]
+        burst = [w.request("burst", a.abort_p, router_p=router_p) for _ in range(n_burst)]
         start = time.monotonic()
         d = a.duration
         self.events.at(start + 0.25 * d, self.send_burst, burst)
@@ -144,6 +186,11 @@ class ChaosRun:
         return list(zip([start + t for t in times], normal)), final
 
     def send(self, rec: Record) -> None:
+        if rec.via == "router":
+            self.router.track(rec)
+            self.leg.send(rec)
+            self.routed += 1
+            return
         self.router.send(rec)
         now = time.monotonic()
         if rec.register_after > 0:
@@ -184,7 +231,7 @@ class ChaosRun:
             self.events.run_due(now)
             while queue and queue[0][0] <= now and self.router.outstanding < self.args.window:
                 self.send(queue.popleft()[1])
-            self.router.poll(5)
+            self.poll(5)
             self.progress()
         self.injected["not-sent"] += len(queue)
 
@@ -192,11 +239,18 @@ class ChaosRun:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             self.events.run_due(time.monotonic())
-            self.router.poll(10)
+            self.poll(10)
             self.progress()
             if until():
                 return True
         return until()
+
+    def poll(self, timeout_ms: int) -> None:
+        """Replies from the sockets, then the router leg's answers."""
+        self.router.poll(timeout_ms)
+        if self.leg is not None:
+            for rec, reply in self.leg.finished():
+                self.router.answer(rec, reply)
 
     def progress(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -210,6 +264,7 @@ class ChaosRun:
             f"[chaos {now - self.t0:6.1f}s] sent={c['sent']} done={c['done']} "
             f"error={c['error']} outstanding={r.outstanding} bad={self.injected['bad-frame']} "
             f"aborts={sum(v for k, v in self.injected.items() if k.startswith('abort/'))}"
+            f" via-router={self.routed}"
         )
         print(("\r" + line) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
 
@@ -270,12 +325,21 @@ class ChaosRun:
             self._restart.join(120)
         self.pump(0.5)  # late decode replies
         exits["decode_sigterm"] = self.decode.stop()
+        if self.gateway is not None:
+            exits["router_sigterm"] = self.gateway.stop()
+            self.leg.close()
+            exits["router_decode_sigterm"] = self.router_decode.stop()
         return exits
 
     def cleanup(self) -> None:
-        for child in (self.serve, self.decode):
+        for child in (self.serve, self.decode, self.router_decode):
             if child is not None and procs.alive(child):
                 procs.kill(child)
+        if self.gateway is not None and self.gateway.proc.poll() is None:
+            self.gateway.proc.kill()
+            self.gateway.proc.wait(10)
+        if self.leg is not None:
+            self.leg.close()
         if self.router is not None:
             self.router.close()
         procs.sweep(self.serve, self.decodes)
@@ -304,7 +368,7 @@ class ChaosRun:
         self.mark("worker-kill+stop")
         self.progress(force=True)
         print(file=sys.stderr)
-        leaks = procs.leftovers(self.serve, self.decodes, self.runtime_dir)
+        leaks = procs.leftovers(self.serve, self.decodes, self.runtime_dir, self.fronts)
         return summarize(self, invariants, exits, leaks)
 
     def mark(self, phase: str) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from mpprefill.bench.workload import DEFAULT_VOCAB
 
 SLOW_EVERY = 1000  # rooms that are multiples of this are held by the decode side
+MAX_NEW_TOKENS = 8  # a router request generates 1 to this many tokens
 
 
 @dataclass(slots=True)
@@ -21,7 +22,7 @@ class Record:
     rid: str
     prompt: list[int]
     room: int
-    kind: str  # normal | long | slow | burst | toolong | final
+    kind: str  # normal | long | slow | burst | toolong | final | router
     abort_stage: str | None = None  # waiting | bootstrapping | mid-chunk | transfer
     abort_after: float = 0.0  # seconds after the send
     register_after: float = 0.0  # decode registration delayed this long
@@ -29,10 +30,15 @@ class Record:
     t_abort: float | None = None
     t_reply: float | None = None
     outstanding_at_send: int = 0
+    # router: the most outstanding while in flight (it reaches the prefill after its send)
+    outstanding_peak: int = 0
     replies: list[dict] = field(default_factory=list)  # prefill answers to the generate
     unknown_abort_replies: int = 0  # "unknown rid" answers to our abort (it raced the end)
     decode_replies: list[dict] = field(default_factory=list)
     registered: bool = False
+    via: str = "zmq"  # zmq: the socket, registered by hand | router: SGLang's router
+    max_new_tokens: int = 1  # router: the decode server generates this many
+    stream: bool = False  # router: answered as server-sent events
 
 
 class ChaosWorkload:
@@ -58,8 +64,12 @@ class ChaosWorkload:
             self._room += 1
         return self._room
 
-    def request(self, kind: str = "normal", abort_p: float = 0.0, slow_p: float = 0.0) -> Record:
+    def request(
+        self, kind: str = "normal", abort_p: float = 0.0, slow_p: float = 0.0, router_p: float = 0.0
+    ) -> Record:
         self._n += 1
+        if kind in ("normal", "burst") and self.rng.random() < router_p:
+            return self._routed()
         if kind == "toolong":
             prompt = self._ids(self.pool_tokens + self.rng.randrange(16, 200))
         elif kind == "final":
@@ -76,6 +86,15 @@ class ChaosWorkload:
         boost = {"slow": 5.0, "long": 3.0}.get(rec.kind, 1.0)  # rarer kinds, same abort count
         if kind not in ("toolong", "final") and self.rng.random() < abort_p * boost:
             self._plan_abort(rec)
+        return rec
+
+    def _routed(self) -> Record:
+        """A request through SGLang's router: the router picks its room, the generating
+        decode server answers; no fault of its own (but in a burst, the full queue's)."""
+        prompt = self.rng.choice(self.systems) + self._ids(self.rng.randrange(4, 64))
+        rec = Record(f"c{self._n}", prompt, -1, "router", via="router")
+        rec.max_new_tokens = self.rng.randint(1, MAX_NEW_TOKENS)
+        rec.stream = self.rng.random() < 0.5
         return rec
 
     def _plan_abort(self, rec: Record) -> None:

@@ -4,6 +4,7 @@ and hostile registrations are refused while the endpoint keeps serving."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import zmq
@@ -168,6 +169,46 @@ def test_registrations_expire(pool, receivers, room):
     finally:
         reg.close()
         b.close()
+
+
+def test_a_request_refused_before_its_sender_refuses_its_room(pool, receivers, room):
+    """The prefill refused the request (overloaded, bad input) or it failed before any
+    decode registered its room: the registrant hears so at once, before or after."""
+    b = make_transfer("shm", pool[0], PAGE, None, bootstrap_port=0, bootstrap_timeout=10.0)
+    reg = Registrant(b.bootstrap_port)
+    address = receivers[0].address
+    try:
+        before, after, aborted, live = room(), room(), room(), room()
+        assert reg.register(before, address)["ok"] is True  # waits for its request
+        b.refuse(before, "overloaded")
+        assert reg.recv() == {
+            "type": "room_reply",
+            "room": before,
+            "ok": False,
+            "error": "the prefill refused the request: overloaded",
+        }
+        b.refuse(after, "token id 99999 outside the vocabulary")
+        reply = reg.register(after, address)
+        assert reply["ok"] is False and "outside the vocabulary" in reply["error"]
+        s = b.create_sender(FakeReq("gone", aborted, 20))
+        s.abort("aborted by client")  # while no decode had registered it
+        assert wait_settled(s)
+        reply = reg.register(aborted, address)
+        assert reply["ok"] is False and "aborted by client" in reply["error"]
+        kept = b.create_sender(FakeReq("kept", live, 20))
+        b.refuse(live, "duplicate rid while the first is live")  # another request's room
+        assert reg.register(live, address)["ok"] is True
+        kept.abort()
+    finally:
+        reg.close()
+        b.close()
+
+
+def wait_settled(sender, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not sender.settled() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sender.settled()
 
 
 def test_bootstrap_endpoint_messages_round_trip():

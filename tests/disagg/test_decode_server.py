@@ -150,6 +150,27 @@ def test_streamed_replies_add_up_to_the_output(cluster, model):
         assert streamed == done["output_ids"][:-1], (partials, done)
 
 
+def test_a_request_the_prefill_refuses_fails_on_the_decode_at_once(cluster):
+    """The prefill refuses a request (here a duplicate rid) before it gets a sender: the
+    decode that registered its room is told through the bootstrap endpoint, instead of
+    waiting out its --waiting-timeout (600 s on decode A)."""
+    c = cluster.d[0]
+    c.send_raw(cluster.decode_frame("kept", prompt(2), 600, max_new_tokens=2))
+    c.send_raw(cluster.decode_frame("refused", prompt(3), 601, max_new_tokens=2))
+    cluster.prefill_generate("dup", prompt(2), 600)
+    cluster.prefill_generate("dup", prompt(3), 601)  # refused: its rid is live
+    replies = {}
+    while len(replies) < 2:
+        reply = c.recv(60)
+        replies[reply["rid"]] = reply
+    refused = replies["refused"]
+    assert refused["status"] == "error", refused
+    assert "refused the request: duplicate rid" in refused["error"], refused
+    assert replies["kept"]["status"] == "done" and len(replies["kept"]["output_ids"]) == 2
+    prefill = sorted(cluster.p.recv(60)["status"] for _ in range(2))
+    assert prefill == ["done", "error"]  # the first request, and the refusal
+
+
 def test_decode_requests_are_checked_and_aborted(cluster):
     c = cluster.d[0]
     bad = [

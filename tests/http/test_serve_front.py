@@ -137,6 +137,29 @@ def test_metrics_move_with_the_replies(serve):
     assert after["sglang:cache_hit_rate"] == pytest.approx(hit)
 
 
+def test_requests_whose_bootstrap_failed_are_counted():
+    """A prefill with a bootstrap endpoint (shm transfer) where no decode ever registers
+    the rooms: both requests fail in the bootstrap queue, and /metrics counts them there,
+    not as failed transfers."""
+    s = ServeWithFront.start(
+        *("--disaggregation-transfer-backend", "shm", "--disaggregation-bootstrap-port", "0"),
+        *("--bootstrap-timeout", "1"),
+    )
+    try:
+        before = _scrape(s)
+        body = {"input_ids": [[4, 5, 6], [7, 8, 9]], "bootstrap_room": [101, 102]}
+        status, out = s.post("/generate", body)
+        assert status == 500 and "bootstrap" in out["error"]["message"], out
+        after = _scrape(s)
+        name = "sglang:num_bootstrap_failed_reqs_total"
+        assert before[name] == 0 and after[name] == 2
+        assert after["sglang:num_transfer_failed_reqs_total"] == 0
+        assert after["mpprefill:failed_reqs_total"] == 2
+        assert after["sglang:num_prefill_prealloc_queue_reqs"] == 0
+    finally:
+        s.kill()
+
+
 def test_the_front_ends_with_serve_on_sigterm_and_on_sigkill():
     for sig, code in ((signal.SIGTERM, 0), (signal.SIGKILL, -signal.SIGKILL)):
         s = ServeWithFront.start()

@@ -114,3 +114,44 @@ def test_bench_passes_the_host_store_flags_to_the_server():
     flags = BenchConfig(server, ["proc-ahead"]).server_flags("proc-ahead", None)
     i = flags.index("--host-store-size")
     assert flags[i + 1] == "262144" and "--disable-batched-writeback" in flags
+
+
+def test_flush_cache_drops_the_device_cache_and_the_host_tier():
+    first, _ = revisiting_prompts()
+    with PrefillEngine(forward_mode="proc-ahead", host_store_size=4096, **ENGINE_KW) as eng:
+        s = eng.scheduler
+        eng.prefill(first)
+        flushed = eng.flush_cache()  # the last write-backs may still be in flight
+        assert flushed.device > 0 and flushed.host >= NUM_SYSTEMS * SYSTEM_LEN
+        assert s.host_tier.store.held_tokens() == 0 and s.tree.total_size() == 0
+        loaded = s.metrics.host_loaded_tokens
+        outs = eng.prefill(first)
+        assert [o.cached_tokens for o in outs] == [0] * NUM_SYSTEMS
+        assert s.metrics.host_loaded_tokens == loaded  # nothing left on the host to load
+        eng.check_invariants(flush=True)
+
+
+def test_the_servers_flush_cache_reply_counts_each_tier():
+    from tests.reliability.helpers import Serve
+
+    serve = Serve.start(
+        *("--forward-mode", "normal", "--host-store-size", "4096"),
+        *("--max-total-tokens", "256", "--log-level", "warning"),
+    )
+    client = serve.client()
+    try:
+        first, _ = revisiting_prompts()
+        for i, ids in enumerate(first):
+            client.generate(f"f{i}", ids)
+        client.recv_until({f"f{i}" for i in range(len(first))})
+        client.send({"type": "flush_cache", "rid": "flush"})
+        reply = client.recv()
+        assert reply["status"] == "flush_cache" and reply["success"], reply
+        tokens = reply["flushed_tokens"]
+        assert tokens["device"] > 0 and tokens["host"] >= NUM_SYSTEMS * SYSTEM_LEN, reply
+        assert f"{tokens['host']} on the host" in reply["message"]
+        client.generate("again", first[0])
+        assert client.recv_until({"again"})["again"]["cached_tokens"] == 0
+    finally:
+        client.close()
+        serve.kill()

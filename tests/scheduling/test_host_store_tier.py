@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from mpprefill.memory.allocator import PagedTokenAllocator
@@ -134,6 +136,34 @@ def test_partial_load_takes_what_the_budget_allows():
     match, left = tier.match_prefix(ids, 4 * PS, lambda: 1, partial=True)
     tier.wait_loads()
     assert len(match.indices) == PS and left == 3
+
+
+def test_flush_waits_for_the_write_backs_in_flight_then_drops_the_store():
+    dev = Device()
+    tier = dev.tier()
+    reqs = [dev.finish(p) for p in prompts()]
+    gate = threading.Event()
+    tier.store.copier.submit_call(lambda: gate.wait(10))  # the copy thread is busy
+    tier.write_back(reqs)
+    for req in reqs:
+        dev.release(req)
+    assert tier.store.writes_in_flight == 1 and dev.tree.protected_size() > 0  # pages read
+    flushed = []
+    flusher = threading.Thread(target=lambda: flushed.append(tier.flush()))
+    flusher.start()
+    flusher.join(0.2)
+    assert flusher.is_alive() and not flushed  # it waits for the copy
+    gate.set()
+    flusher.join(10)
+    system, own, other = 3 * PS, 2 * PS, 2 * PS
+    assert flushed == [system + 3 * own + other]
+    assert tier.store.held_tokens() == 0 and tier.store.writes_in_flight == 0
+    assert dev.tree.protected_size() == 0  # the write-back's locks went with it
+    assert tier.match_prefix(prompts()[0], 5 * PS, lambda: 100, partial=False)[1] == 0
+    tier.check()
+    dev.tree.flush()
+    dev.alloc.check()
+    assert dev.alloc.available_size() == dev.alloc.size
 
 
 def only_on_the_host(dev, tier, ids: list[int]) -> Req:

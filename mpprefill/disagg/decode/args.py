@@ -7,12 +7,16 @@ front, `--port` the HTTP front (SGLang's meaning; 0: none)."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from mpprefill.config import ServerArgs
+from mpprefill.disagg import wire
 from mpprefill.disagg.backends import DECODE_BACKENDS
 from mpprefill.disagg.decode.delay import TransferDelay
 from mpprefill.flags import _f
+
+WILDCARDS = ("0.0.0.0", "::", "[::]", "*", "")
 
 
 def _server(name: str):
@@ -24,6 +28,12 @@ def _server(name: str):
 @dataclass(frozen=True)
 class DecodeArgs:
     host: str = _f("127.0.0.1", "address the sockets (and the HTTP front) bind to")
+    advertise_host: str | None = _f(
+        None,
+        "host the prefills are told to send KV to (this receiver's address when it registers"
+        " a room); default --host, or this machine's host name resolved when --host is a"
+        " wildcard such as 0.0.0.0",
+    )
     port: int = _f(
         0, "HTTP port: start the HTTP front (python -m mpprefill.http) on it (0: no front)"
     )
@@ -81,8 +91,34 @@ class DecodeArgs:
         if self.verify and self.emulate_model is not None:
             raise ValueError("--verify cannot check KV from an emulated device (not the model's)")
         self.transfer_delay  # noqa: B018 - validates the test delay
+        if self.advertise_host is not None:
+            _check_advertise_host(self.advertise_host)
+
+    @property
+    def advertised_host(self) -> str:
+        """The host the prefills are told to reach this decode's receiver at."""
+        if self.advertise_host is not None:
+            return self.advertise_host
+        if self.host in WILDCARDS:
+            return socket.gethostbyname(socket.gethostname())
+        return self.host
 
     @property
     def transfer_delay(self) -> TransferDelay:
         """The test delay the receiver is given (off unless --test-transfer-delay-ms)."""
         return TransferDelay(self.test_transfer_delay_ms, self.test_transfer_delay_every)
+
+
+def _check_advertise_host(host: str) -> None:
+    if host in WILDCARDS:
+        raise ValueError(
+            f"--advertise-host {host!r} is a wildcard: give a host the prefills can reach"
+            " this decode at"
+        )
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(
+            f"--advertise-host {host!r}: give a host without a port (the port is"
+            " --receiver-port's); an IPv6 address goes in brackets"
+        )
+    if not wire.ADDRESS_RE.fullmatch(f"{host}:1"):
+        raise ValueError(f"--advertise-host {host!r} is not a host name or address")

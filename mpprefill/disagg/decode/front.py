@@ -16,14 +16,14 @@ import subprocess
 import sys
 
 import ipc
+from mpprefill.disagg.decode.args import WILDCARDS
 
 logger = logging.getLogger(__name__)
-_WILDCARDS = ("0.0.0.0", "::", "[::]", "*")
 
 
 def local_address(host: str, port: int) -> str:
     """Where a process on this host reaches a socket bound to `host:port`."""
-    return f"127.0.0.1:{port}" if host in _WILDCARDS else f"{host}:{port}"
+    return f"127.0.0.1:{port}" if host in WILDCARDS else f"{host}:{port}"
 
 
 def front_command(args, zmq_port: int, parent_pid: int) -> list[str]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ import zmq
 from mpprefill.disagg import wire
 from mpprefill.disagg.decode.args import DecodeArgs
 from mpprefill.disagg.decode.bootstrap import PrefillLinks
-from mpprefill.disagg.decode.front import _WILDCARDS, spawn_front, stop_front
+from mpprefill.disagg.decode.front import spawn_front, stop_front
 from mpprefill.disagg.decode.generate import Generator
 from mpprefill.disagg.decode.receiver import DecodeReceiver, Room
 from mpprefill.model import load_model
@@ -73,11 +72,6 @@ def eos_token_ids(model_path: str | None) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def advertised_host(host: str) -> str:
-    """The host prefills are told to reach this decode's receiver at."""
-    return socket.gethostbyname(socket.gethostname()) if host in _WILDCARDS else host
-
-
 class DecodeServer:
     def __init__(self, args: DecodeArgs) -> None:
         self.args = args
@@ -106,7 +100,7 @@ class DecodeServer:
             self.ctx.term()
             raise
         self.zmq_port = self._port_of(self.sock)
-        own = f"{advertised_host(args.host)}:{self.rx.port}"
+        own = f"{args.advertised_host}:{self.rx.port}"
         self.links = PrefillLinks(self.ctx, self.poller, own)
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.rx.sock, zmq.POLLIN)

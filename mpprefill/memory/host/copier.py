@@ -57,6 +57,10 @@ class HostCopier:
         """Run fn in the copies' order (a test holds the thread with it)."""
         return self._thread.submit(fn)
 
+    def drain(self) -> None:
+        """Block until every copy submitted so far has run."""
+        self._thread.submit(lambda: None).result()
+
     def _run(self, copies: list[SlotCopy], before: Callable[[], None] | None) -> float:
         if before is not None:
             before()

@@ -129,6 +129,14 @@ class HostPageIndex:
             self._heap = [(e.last_access, e.id, e) for e in self._entries.values()]
             heapq.heapify(self._heap)
 
+    def clear(self) -> list[HostPage]:
+        """Drop every entry, ready or not; the entries dropped."""
+        dropped = list(self._entries.values())
+        self._entries.clear()
+        self._heap.clear()
+        self.root.children = 0
+        return dropped
+
     def _remove(self, entry: HostPage) -> None:
         del self._entries[(entry.parent.id, entry.tokens)]
         entry.parent.children -= 1

@@ -8,6 +8,7 @@ Only ready pages are matched, loaded or evicted. `load` is a copy on the same th
 caller waits for it before anything reads the device pages it fills.
 
     state of a host page   free --reserve--> in flight --retire--> ready --evict--> free
+                                                                 ready --flush--> free
 
 With sliding-window (SWA) layers the store has a second pool for their KV. An entry takes
 an SWA page only when it is part of a checkpoint (`reserve_swa`): the window of SWA KV
@@ -223,6 +224,17 @@ class HostKVStore:
                                    device_kv.swa_buffer, swa_device_slots,
                                    self.swa_buffers))  # fmt: skip
         return self.copier.submit(copies, before)
+
+    def flush(self) -> int:
+        """Drop every page (SWA checkpoints too), once the copies in flight have run (a load
+        reading a page is done with it); the caller retires its writes first. Tokens
+        dropped (full pages)."""
+        if self._writes:
+            raise RuntimeError(f"flush with {len(self._writes)} write-backs not retired")
+        self.copier.drain()
+        dropped = self.index.clear()
+        self._free(dropped)
+        return len(dropped) * self.page_size
 
     def close(self) -> None:
         try:

@@ -188,6 +188,34 @@ def test_a_load_runs_after_the_copies_before_it_and_after_its_fence():
     store.close()
 
 
+def test_flush_drops_every_page_once_the_copies_in_flight_ran():
+    kv = device_kv()
+    store = make_store(8, kv)
+    write(store, kv, tokens(1, 3), torch.arange(12))
+    with pytest.raises(RuntimeError, match="not retired"):
+        store.flush()  # the caller retires its writes first
+    store.retire(wait=True)
+    gate = threading.Event()
+    hold(store, gate)
+    load = store.load(store.match(tokens(1, 3)), kv, torch.arange(40, 52))
+    flushed = []
+    flusher = threading.Thread(target=lambda: flushed.append(store.flush()))
+    flusher.start()
+    flusher.join(0.2)
+    assert flusher.is_alive() and not load.done()  # the load still reads those pages
+    gate.set()
+    flusher.join(10)
+    assert load.done() and flushed == [3 * PS]
+    assert store.held_tokens() == 0 and store.match(tokens(1, 3)) == []
+    assert store.pages.num_free_pages == store.pages.num_pages
+    store.check()
+    write(store, kv, tokens(1, 3), torch.arange(12))  # the store works on after a flush
+    store.retire(wait=True)
+    assert len(store.match(tokens(1, 3))) == 3
+    store.check()
+    store.close()
+
+
 def test_empty_store_is_refused():
     with pytest.raises(ValueError, match="no page"):
         HostKVStore(PS - 1, PS, device_kv())
