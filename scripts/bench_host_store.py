@@ -23,6 +23,7 @@ import torch
 from mpprefill.bench.runner import BenchConfig, run_mode
 from mpprefill.bench.workload import solve_for_hit_rate
 from mpprefill.config import ServerArgs
+from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.host.store import HostKVStore
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.memory.req_to_token import ReqToTokenPool
@@ -174,6 +175,10 @@ def time_staging(
 ) -> tuple[float, float]:
     """(scheduler-thread ms, copy-thread ms) per batch of num_reqs fresh prompts, each
     wholly computed, cached as result processing caches it and written back."""
+    # room for the whole batch in both pools (the SWA pool is a fraction of the full one)
+    need = num_reqs * (args.prompt_len + base.page_size) / base.swa_full_tokens_ratio
+    pages = cdiv(int(need), base.page_size)
+    base = base.replace(max_total_tokens=max(base.max_total_tokens, pages * base.page_size))
     config = config_from_args(base)
     pool = ReqToTokenPool(num_reqs + 1, args.prompt_len + 1)
     allocator, tree = make_kv_pools(base, config, pool)
@@ -205,7 +210,10 @@ def finished_req(pool, allocator, tree, prompt_len: int, gen: torch.Generator) -
     req = Req(f"s{len(ids)}-{ids[0]}", ids)
     req.last_node, req.prefix_indices = tree.root, torch.empty(0, dtype=torch.int64)
     req.req_pool_idx = pool.alloc()
-    pool.write(req.req_pool_idx, 0, allocator.alloc_extend([0], [prompt_len], [-1]))
+    slots = allocator.alloc_extend([0], [prompt_len], [-1])
+    if slots is None:
+        raise RuntimeError(f"the staging pool cannot hold another {prompt_len}-token prompt")
+    pool.write(req.req_pool_idx, 0, slots)
     req.fill_ids = ids
     tree.cache_unfinished_req(req)
     return req
