@@ -2,9 +2,12 @@
 
 End to end: the bench's workload with a device cache too small for its working set, run
 without a host store, with one (batched staging) and with one staging each request apart;
-configurations interleaved, medians of --repeats. Then the staging itself: for N finishing
-requests per batch, the write-back of their pages (and SWA checkpoints) as one batched copy
-or N copies, in ms per batch on the scheduler thread (planning) and on the copy thread.
+configurations interleaved, medians of --repeats. Each run's batches are then replayed
+through the forward alone, and its uncached ITPS is also given as a fraction of that bound
+(a higher hit rate makes each uncached token attend over a longer prefix). Then the
+staging itself: for N finishing requests per batch, the write-back of their pages (and SWA
+checkpoints) as one batched copy or N copies, in ms per batch on the scheduler thread
+(planning) and on the copy thread.
 
     python scripts/bench_host_store.py --repeats 3 [--json out.json]
     python scripts/bench_host_store.py --smoke      # a tiny run: does it work at all
@@ -14,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
 
+from mpprefill.bench.replay import forward_bound, load_shapes
 from mpprefill.bench.runner import BenchConfig, run_mode
 from mpprefill.bench.workload import solve_for_hit_rate
 from mpprefill.config import ServerArgs
@@ -112,25 +118,33 @@ def end_to_end(args: argparse.Namespace, base: ServerArgs, model: str) -> dict:
     for i in range(args.repeats):  # interleaved, so drift in the machine hits all alike
         for name, kw in CONFIGS.items():
             cfg = BenchConfig(base.replace(**kw), [args.mode])
-            run = run_mode(cfg, args.mode, work)
-            if not run["leaks"]["ok"] or run["num_failed"]:
-                sys.exit(f"{name}: run {i} failed or leaked: {run['leaks']} {run['errors']}")
+            with tempfile.TemporaryDirectory(prefix="mpp-host-bench-") as tmp:
+                record = os.path.join(tmp, "batches.json")
+                run = run_mode(cfg, args.mode, work, record)
+                if not run["leaks"]["ok"] or run["num_failed"]:
+                    sys.exit(f"{name}: run {i} failed or leaked: {run['leaks']} {run['errors']}")
+                # the same batches through the forward alone: a higher hit rate makes each
+                # uncached token attend over a longer prefix, so the bound moves with it
+                shapes = load_shapes(record)[run["warmup_batches"] :]
+                run["forward_bound_itps"] = forward_bound(shapes, cfg.server)["itps"]
             trials[name].append(run)
             print(f"[{model} {i + 1}/{args.repeats}] {name}: {summary(run)}", file=sys.stderr)
     rows = {name: medians(runs) for name, runs in trials.items()}
     print(f"\n{model} model, {args.mode}, end to end (medians of {args.repeats})")
     head = f"{'configuration':34s} {'uncached ITPS':>13s} {'total ITPS':>11s}"
-    print(f"{head} {'hit rate':>8s} {'P ms/batch':>10s}")
+    print(f"{head} {'hit rate':>8s} {'P ms/batch':>10s} {'fwd bound':>10s} {'of bound':>8s}")
     for name, r in rows.items():
         line = f"{name:34s} {r['uncached_itps']:13,.0f} {r['total_itps']:11,.0f}"
-        print(f"{line} {r['hit_rate']:8.2f} {r['p_ms']:10.2f}")
+        line += f" {r['hit_rate']:8.2f} {r['p_ms']:10.2f}"
+        print(f"{line} {r['forward_bound_itps']:10,.0f} {r['of_bound']:8.2f}")
     return {"medians": rows, "trials": trials}
 
 
 def summary(run: dict) -> str:
-    p = run["phase_ms_per_batch"]["P"]
+    p, of_bound = run["phase_ms_per_batch"]["P"], run["uncached_itps"] / run["forward_bound_itps"]
     return (
-        f"uncached ITPS {run['uncached_itps']:,.0f}, hit {run['cache_hit_rate']:.2f}, P {p:.2f} ms"
+        f"uncached ITPS {run['uncached_itps']:,.0f} ({of_bound:.2f} of the forward bound),"
+        f" hit {run['cache_hit_rate']:.2f}, P {p:.2f} ms"
     )
 
 
@@ -142,6 +156,8 @@ def medians(runs: list[dict]) -> dict:
         "hit_rate": med([r["cache_hit_rate"] for r in runs]),
         "p_ms": med([r["phase_ms_per_batch"]["P"] for r in runs]),
         "duration_s": med([r["duration_s"] for r in runs]),
+        "forward_bound_itps": med([r["forward_bound_itps"] for r in runs]),
+        "of_bound": med([r["uncached_itps"] / r["forward_bound_itps"] for r in runs]),
     }
 
 
