@@ -15,6 +15,8 @@ import pytest
 from mpprefill.config import ServerArgs
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_transfer
+from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.disagg.decode.receiver import DecodeReceiver
 from mpprefill.disagg.shards import ShippedKV
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig, load_model
@@ -25,7 +27,8 @@ from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.server import protocol
 from mpprefill.server.client import Client
 from mpprefill.worker.factory import make_worker
-from tests.disagg.helpers import PAGE, DecodeProc, Router
+from tests.disagg.helpers import PAGE, DecodeProc, Router, serving
+from tests.disagg.swa_helpers import PATTERN, WINDOW
 from tests.mooncake_check import skip_without_mooncake
 from tests.reliability.helpers import Serve
 
@@ -72,7 +75,9 @@ def prompts(seed: int, n: int) -> list[list[int]]:
     return [system + [rng.randrange(1, 512) for _ in range(rng.randrange(1, 50))] for _ in range(n)]
 
 
-def run_prefill(model_dir: str, tp: int, backend: str, decode_address: str, reqs: list[Req]):
+def run_prefill(
+    model_dir: str | None, tp: int, backend: str, decode_address: str, reqs: list[Req], **extra
+):
     """Prefill `reqs` on a TP `tp` group, sending through `backend`; what it shipped."""
     args = ServerArgs(
         model_path=model_dir,
@@ -84,6 +89,7 @@ def run_prefill(model_dir: str, tp: int, backend: str, decode_address: str, reqs
         disaggregation_transfer_backend=backend,
         decode_address=decode_address,
         worker_threads=1,
+        **extra,
     )
     worker, config = make_worker(args, "proc-ahead")
     try:
@@ -195,6 +201,21 @@ def test_serve_tp2_ships_over_shm(model_dir, decode):
         assert reply["first_token"] == served[f"s{i}"]["first_token"], reply
         assert reply["verified"] is True and reply["max_abs_err"] < 1e-4, reply
     assert rc == 0 and left == []
+
+
+def test_tp2_sliding_window_model_sends_its_last_window(room):
+    """The built-in model with sliding-window layers: each rank's SWA pool ships its heads
+    of the last window only (the verifier checks the rest stayed unwritten)."""
+    swa = dict(sliding_window=WINDOW, swa_layers=PATTERN)
+    rx = DecodeReceiver(DecodeArgs(receiver_port=0, page_size=PAGE, verify=True, **swa))
+    with serving(rx), Router(rx.address) as router:
+        ps = [p * 2 for p in prompts(6, 3)]  # longer than the window
+        reqs = registered(router, "swa", ps, base=room())
+        router.sync()
+        shipped = run_prefill(None, 2, "shm", rx.address, reqs, swa_full_tokens_ratio=0.2, **swa)
+        replies = router.recv_many(len(reqs))
+    assert shipped.shards[0].kv.swa_buffer is not None and shipped.tp_size == 2
+    assert_verified(replies, reqs)
 
 
 def test_tp2_prefill_into_mooncake_decode(model_dir):
