@@ -179,11 +179,6 @@ class ServerArgs:
 
     def _check_tp(self) -> None:
         """What a tensor-parallel group does not run (yet)."""
-        if self.disaggregation_transfer_backend != "fake":
-            raise ValueError(
-                "--tp-size > 1 runs with --disaggregation-transfer-backend fake only: the"
-                " KV transfer of a sharded pool is not built"
-            )
         if self.staging == "cuda-ipc":
             raise ValueError("--tp-size > 1 needs --staging pinned")
         if self.host_store_size:

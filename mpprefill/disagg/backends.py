@@ -14,13 +14,14 @@ DECODE_BACKENDS = ("shm", "mooncake")
 
 def make_transfer(
     name: str,
-    kv: KVCache | None,
+    kv: KVCache | list[tuple[KVCache, range]] | None,
     page_size: int,
     decode_address: str | None = None,
     **kw,
 ):
-    """The prefill side's transfer backend. `kw`: bootstrap_timeout, dead_timeout,
-    bootstrap_host, bootstrap_port, ...
+    """The prefill side's transfer backend. `kv`: the prefill's KV pool, or every tensor-
+    parallel rank's with the KV heads it holds (Worker.kv_shards). `kw`: bootstrap_timeout,
+    dead_timeout, bootstrap_host, bootstrap_port, ...
 
     "fake" moves nothing and needs no decode side; "shm" and "mooncake" start a
     transfer thread that talks to the decode receiver at `decode_address` (host:port), or,

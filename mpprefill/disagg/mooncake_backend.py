@@ -1,8 +1,10 @@
 """mooncake backend: pages move through the Mooncake transfer engine (TCP, P2P handshake).
 
 Both pools are registered with an engine (the prefill's whole KVCache.storage: its full and
-sliding-window pools). The decode side describes its pool by session id and base address;
-the prefill thread writes every (K/V, layer, run of pages) chunk, addressed per plane.
+sliding-window pools; every shipped tensor-parallel pool's). The decode side describes its
+pool by session id and base address; the prefill thread writes every (K/V, layer, run of
+pages) chunk, addressed per plane, or, from a pool holding some of the KV heads, every
+(K/V, layer, slot) chunk of those heads.
 The peer names the session written to, so only a session on the host of the receiver that
 named it, and never the prefill's own, is accepted (`check_session`).
 """
@@ -15,6 +17,7 @@ import socket
 import torch
 
 from mpprefill.disagg.planes import PoolPlanes
+from mpprefill.disagg.shards import ShippedKV
 from mpprefill.disagg.transfer import DEFAULT_DECODE_ADDRESS, TransferBackend
 from mpprefill.disagg.wire import PoolLayout, quote
 from mpprefill.memory.kv_cache import KVCache
@@ -131,18 +134,21 @@ class MooncakeTransfer(TransferBackend):
 
     def __init__(
         self,
-        kv: KVCache,
+        kv,
         page_size: int,
         decode_address: str | None = None,
         local_host: str | None = None,
         **kw,
     ):
-        """`local_host`: where this engine listens; default: this host's address on the
-        route to `decode_address` (or to the bootstrap host, when rooms are registered)."""
+        """`kv`: as TransferBackend takes it. `local_host`: where this engine listens;
+        default: this host's address on the route to `decode_address` (or to the bootstrap
+        host, when rooms are registered)."""
         route_to = decode_address or kw.get("bootstrap_host") or DEFAULT_DECODE_ADDRESS
         host = local_host or local_host_for(_host_of(route_to))
+        self._registered = [s.kv.storage for s in ShippedKV.of(kv).shards]
         self.engine, self.session_id = start_engine(host)
-        _register(self.engine, kv.storage)
+        for storage in self._registered:
+            _register(self.engine, storage)
         super().__init__(kv, page_size, decode_address, **kw)
 
     def _attach(self, pool: dict, address: str) -> tuple[PoolLayout, tuple[str, int, PoolLayout]]:
@@ -155,7 +161,7 @@ class MooncakeTransfer(TransferBackend):
         check_session(session, _host_of(address), self.session_id)
         return layout, (session, base, layout)
 
-    def _write(self, remote, src_pages: torch.Tensor, dst_pages: torch.Tensor, planes=None):
+    def _write(self, remote, src_pages: torch.Tensor, dst_pages: torch.Tensor, planes: PoolPlanes):
         session, dst_base, layout = remote
         src, dst, lens = self._chunks(src_pages, dst_pages, layout, dst_base, planes)
         for i in range(0, len(src), MAX_BATCH_ENTRIES):
@@ -164,17 +170,11 @@ class MooncakeTransfer(TransferBackend):
             if rc != 0:
                 raise RuntimeError(f"batch_transfer_sync_write to {session} returned {rc}")
 
-    def _chunks(
-        self,
-        src_pages,
-        dst_pages,
-        layout: PoolLayout,
-        dst_base: int,
-        planes: PoolPlanes | None = None,
-    ):
+    def _chunks(self, src_pages, dst_pages, layout: PoolLayout, dst_base: int, planes: PoolPlanes):
         """(src addresses, dst addresses, lengths): one chunk per (K/V, layer, page run) of
-        `planes` (default: the full-attention pool's)."""
-        planes = planes or self.full_planes
+        the prefill pool `planes`; per (K/V, layer, slot) from a pool of some of the heads."""
+        if len(planes.heads) != layout.num_kv_heads:
+            return self._head_chunks(src_pages, dst_pages, layout, dst_base, planes)
         view, es = planes.view, planes.view.element_size()
         page_bytes = view.shape[2] * es
         n = len(src_pages)
@@ -190,7 +190,29 @@ class MooncakeTransfer(TransferBackend):
         lens = (runs * page_bytes).expand_as(src_at)
         return src_at.flatten().tolist(), dst_at.flatten().tolist(), lens.flatten().tolist()
 
+    def _head_chunks(self, src_pages, dst_pages, layout: PoolLayout, dst_base: int, planes):
+        """The chunks of a pool holding KV heads [a, b) of H: in the decode pool a slot's
+        heads a..b-1 are contiguous, the next slot's H heads further on.
+
+            decode slot   | head 0 | ... | head a ... head b-1 | ... | head H-1 |
+                                         ^ dst, (b - a) * D elements
+        """
+        view, es = planes.view, planes.view.element_size()
+        ps = self.page_size
+        src_slot = view.shape[2] // ps * es  # bytes of one slot's heads, both sides
+        dst_slot = layout.num_kv_heads * layout.head_dim * es
+        plane = torch.arange(view.shape[0], dtype=torch.int64)[:, None, None]
+        slot = torch.arange(ps, dtype=torch.int64)[None, None, :]
+        src_at = view.data_ptr() + plane * view.stride(0) * es
+        src_at = src_at + (src_pages[None, :, None] * ps + slot) * src_slot
+        dst_plane = planes.dst_planes[:, None, None] * layout.num_slots * dst_slot
+        dst_at = dst_base + planes.heads.start * layout.head_dim * es + dst_plane
+        dst_at = dst_at + (dst_pages[None, :, None] * ps + slot) * dst_slot
+        n = src_at.numel()
+        return src_at.flatten().tolist(), dst_at.flatten().tolist(), [src_slot] * n
+
     def _release(self) -> None:
         if self.engine is not None:
-            self.engine.unregister_memory(self.kv.storage.data_ptr())
+            for storage in self._registered:
+                self.engine.unregister_memory(storage.data_ptr())
             self.engine = None

@@ -1,5 +1,5 @@
-"""Which planes of the prefill KV pools land where in the decode's dense pool, and which
-pages of the sliding-window layers are sent at all.
+"""Which planes of the prefill KV pools land where in the decode's dense pool, at which
+heads, and which pages of the sliding-window layers are sent at all.
 
 A plane is one (K or V, layer) of a pool, seen as [num_pages, page_size * heads * head_dim].
 The prefill side has one pool, or two with sliding-window (SWA) layers (KVCache.buffer and
@@ -8,6 +8,11 @@ The prefill side has one pool, or two with sliding-window (SWA) layers (KVCache.
     prefill pool   plane          decode plane
     full           c * F + j      c * L + full_layers[j]      c: 0 for K, 1 for V
     SWA            c * S + j      c * L + swa_layers[j]
+
+A tensor-parallel prefill has such pools per rank (shards.py), each holding a range of the
+model's KV heads; in every decode slot [H, D] its heads land at that range:
+
+    decode page row   [page_size, H, D]      a pool of heads [a, b) writes [:, a:b, :]
 
 SWA layers only ever send the pages of the prompt's last window (`window_first_page`); the
 scheduler names their SWA pages (`window_swa_pages`) in the last send's `state_indices`.
@@ -34,27 +39,50 @@ def plane_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class PoolPlanes:
-    """One prefill pool as planes, and each plane's index in the decode pool."""
+    """One prefill pool as planes, each plane's index in the decode pool, and the model's
+    KV heads the pool holds."""
 
     view: torch.Tensor  # [planes, num_pages, page_numel]
     dst_planes: torch.Tensor  # int64 [planes]
+    heads: range
+    head_dim: int
 
     @property
     def num_pages(self) -> int:
         return self.view.shape[1]
 
+    @property
+    def page_size(self) -> int:
+        return self.view.shape[2] // (len(self.heads) * self.head_dim)
 
-def pool_planes(kv: KVCache, page_size: int) -> tuple[PoolPlanes, PoolPlanes | None]:
-    """(full pool, SWA pool or None) of a prefill KVCache."""
-    full = _planes(kv.buffer, kv.full_layers, kv.num_layers, page_size)
+
+def pool_planes(
+    kv: KVCache, page_size: int, heads: range | None = None
+) -> tuple[PoolPlanes, PoolPlanes | None]:
+    """(full pool, SWA pool or None) of a prefill KVCache holding the model's KV `heads`
+    (default: all of them)."""
+    heads = range(kv.buffer.shape[3]) if heads is None else heads
+    full = _planes(kv.buffer, kv.full_layers, kv.num_layers, page_size, heads)
     if kv.swa_buffer is None:
         return full, None
-    return full, _planes(kv.swa_buffer, kv.swa_layers, kv.num_layers, page_size)
+    return full, _planes(kv.swa_buffer, kv.swa_layers, kv.num_layers, page_size, heads)
 
 
-def _planes(buffer: torch.Tensor, layers, num_layers: int, page_size: int) -> PoolPlanes:
+def _planes(buffer: torch.Tensor, layers, num_layers: int, page_size: int, heads) -> PoolPlanes:
     ids = torch.tensor(layers, dtype=torch.int64)
-    return PoolPlanes(plane_view(buffer, page_size), torch.cat([ids, ids + num_layers]))
+    view = plane_view(buffer, page_size)
+    return PoolPlanes(view, torch.cat([ids, ids + num_layers]), heads, buffer.shape[4])
+
+
+def head_rows(remote: torch.Tensor, planes: PoolPlanes) -> torch.Tensor:
+    """The decode pool's planes [planes, pages, page_numel] as one row per (plane, page), cut
+    to the heads of `planes`: [rows, page_numel] when it holds every head, else the strided
+    [rows, page_size, its heads, head_dim] slice of [rows, page_size, H, D]."""
+    rows = remote.view(-1, remote.shape[2])
+    if rows.shape[1] == planes.view.shape[2]:
+        return rows
+    slots = rows.view(len(rows), planes.page_size, -1, planes.head_dim)
+    return slots[:, :, planes.heads.start : planes.heads.stop]
 
 
 def flat_index(planes: torch.Tensor, pages: torch.Tensor, num_pages: int) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """shm backend: the decode pool is a POSIX shared-memory segment the prefill side maps.
 
 Decode side: `ShmPool` creates the segment and describes it by its tensor handle.
-Prefill side: `ShmTransfer` opens the handle once and copies pages straight into it, after
-`check_decode_segment`: the peer names the segment, so only one that a decode receiver
-of this user made for its pool is written (never the prefill's own KV pool or staging).
+Prefill side: `ShmTransfer` opens the handle once and copies pages straight into it (each
+tensor-parallel pool its KV heads of every slot), after `check_decode_segment`: the peer
+names the segment, so only one that a decode receiver of this user made for its pool is
+written (never the prefill's own KV pool or staging).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import ipc
 from ipc.handle import dtype_from_name
 from ipc.shm import SHM_DIR
-from mpprefill.disagg.planes import PoolPlanes, flat_index, plane_view
+from mpprefill.disagg.planes import PoolPlanes, flat_index, head_rows, plane_view
 from mpprefill.disagg.transfer import TransferBackend
 from mpprefill.disagg.wire import PoolLayout, quote
 from mpprefill.memory.kv_cache import KVCache
@@ -91,10 +92,11 @@ class ShmTransfer(TransferBackend):
 
     name = "shm"
 
-    def __init__(self, kv: KVCache, page_size: int, decode_address: str | None = None, **kw):
+    def __init__(self, kv, page_size: int, decode_address: str | None = None, **kw):
+        """`kv`: as TransferBackend takes it."""
         self._handle: ipc.TensorHandle | None = None
         self._remote: torch.Tensor | None = None  # decode pool, plane view
-        self._stage = torch.empty(0, dtype=kv.dtype, device=kv.device)
+        self._stage: dict[torch.device, torch.Tensor] = {}  # per device of a prefill pool
         super().__init__(kv, page_size, decode_address, **kw)
 
     def _attach(self, pool: dict, address: str) -> tuple[PoolLayout, torch.Tensor]:
@@ -117,25 +119,29 @@ class ShmTransfer(TransferBackend):
         self._remote = plane_view(ipc.open_handle(handle), layout.page_size)
         self._handle = handle
 
-    def _write(self, remote, src: torch.Tensor, dst: torch.Tensor, planes=None) -> None:
-        planes: PoolPlanes = planes or self.full_planes
+    def _write(self, remote, src: torch.Tensor, dst: torch.Tensor, planes: PoolPlanes) -> None:
         view = planes.view  # [planes of this prefill pool, its pages, page_numel]
         n_planes, _, page_numel = view.shape
-        rows = remote.view(-1, page_numel)  # [decode planes * pages, page_numel]
+        # [decode planes * pages, page_numel], or [..., page_size, heads, D] of a TP shard
+        rows = head_rows(remote, planes)
         step = max(1, _STAGE_BYTES // (n_planes * page_numel * view.element_size()))
         src = src.to(view.device)
         for i in range(0, len(src), step):
-            staged = self._staging(n_planes, len(src[i : i + step]), page_numel)
+            staged = self._staging(view, len(src[i : i + step]))
             torch.index_select(view, 1, src[i : i + step], out=staged)
             at = flat_index(planes.dst_planes, dst[i : i + step], remote.shape[1])
-            rows.index_copy_(0, at.to(remote.device), staged.view(-1, page_numel).to(rows.device))
+            staged = staged.view(-1, *rows.shape[1:]).to(rows.device)
+            rows.index_copy_(0, at.to(remote.device), staged)
 
-    def _staging(self, n_planes: int, num_pages: int, page_numel: int) -> torch.Tensor:
+    def _staging(self, view: torch.Tensor, num_pages: int) -> torch.Tensor:
         """A reused buffer: a fresh one per send would page-fault its whole size each time."""
+        n_planes, _, page_numel = view.shape
         numel = n_planes * num_pages * page_numel
-        if self._stage.numel() < numel:
-            self._stage = torch.empty(numel, dtype=self._stage.dtype, device=self._stage.device)
-        return self._stage[:numel].view(n_planes, num_pages, page_numel)
+        stage = self._stage.get(view.device)
+        if stage is None or stage.numel() < numel:
+            stage = torch.empty(numel, dtype=view.dtype, device=view.device)
+            self._stage[view.device] = stage
+        return stage[:numel].view(n_planes, num_pages, page_numel)
 
     def _release(self) -> None:
         if self._handle is not None:

@@ -9,6 +9,9 @@ that a decode server registered for it, the sender waiting in Bootstrapping (up 
 bootstrap timeout) until one does. One link (a DEALER, `_Link`) per decode address, made
 on demand and closed once idle, so one prefill feeds any number of decode servers.
 
+At tensor-parallel size N each send reads every shipped rank's pool (shards.py) and writes
+its KV heads into the decode's dense pool; the bootstrap names those head ranges.
+
 Whatever answers on a link is trusted with nothing: a reply it cannot use fails its room
 only, a message about a room bound to another link is ignored, a pool it names is checked
 by `_attach`, and an ack counts only from the receiver's run (`instance`) that answered the
@@ -29,8 +32,9 @@ import zmq
 
 from mpprefill.disagg import wire
 from mpprefill.disagg.bootstrap import DEFAULT_MAX_WAITING, BootstrapEndpoint
-from mpprefill.disagg.planes import pool_planes
+from mpprefill.disagg.planes import PoolPlanes, pool_planes
 from mpprefill.disagg.sender import KVPoll, TransferDied
+from mpprefill.disagg.shards import ShippedKV
 from mpprefill.disagg.transfer_sender import (
     CommandQueue,
     SenderLimits,
@@ -77,7 +81,7 @@ class TransferBackend:
 
     def __init__(
         self,
-        kv: KVCache,
+        kv: KVCache | list[tuple[KVCache, range]],
         page_size: int,
         decode_address: str | None = None,
         bootstrap_timeout: float = 30.0,
@@ -89,7 +93,9 @@ class TransferBackend:
         bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
         max_waiting_registrations: int = DEFAULT_MAX_WAITING,
     ) -> None:
-        """`bootstrap_timeout`: how long each sender waits for the decode side's answer to
+        """`kv`: the prefill's KV pool, or every tensor-parallel rank's with the KV heads it
+        holds (Worker.kv_shards; shards.py says which are read, each writing its heads).
+        `bootstrap_timeout`: how long each sender waits for the decode side's answer to
         its bootstrap and to its final send (TransferSender.poll); `transfer_timeout`: how
         long a sender may stay Transferring, from its first send to the ack (this thread
         fails it). `fence` (the worker's
@@ -100,17 +106,20 @@ class TransferBackend:
         `bootstrap_host:bootstrap_port` (0: any free port; `.bootstrap_port` says which);
         registrations whose request has not come yet wait at most `bootstrap_timeout`, at
         most `max_waiting_registrations` of them."""
-        if page_size < 1 or kv.num_slots < page_size:
-            raise ValueError(f"bad page size {page_size} for a pool of {kv.num_slots} slots")
-        self.kv = kv
+        self.shipped = ShippedKV.of(kv)
+        num_slots = self.shipped.shards[0].kv.num_slots
+        if page_size < 1 or num_slots < page_size:
+            raise ValueError(f"bad page size {page_size} for a pool of {num_slots} slots")
         self.page_size = page_size
         self.decode_address = decode_address and wire.check_address(decode_address)
         self.dead_timeout = dead_timeout
         self.heartbeat_interval = heartbeat_interval
         self.fence = fence
-        self.layout = wire.PoolLayout.of(kv.buffer, page_size, kv.num_layers)
-        self.full_planes, self.swa_planes = pool_planes(kv, page_size)
-        swa_pages = None if self.swa_planes is None else self.swa_planes.num_pages
+        self.layout = self.shipped.layout(page_size)
+        # (full pool, SWA pool or None) of each shipped pool, in head order
+        self.planes = [pool_planes(s.kv, page_size, s.heads) for s in self.shipped.shards]
+        swa = self.planes[0][1]
+        swa_pages = None if swa is None else swa.num_pages
         self.limits = SenderLimits(
             self.layout.num_pages, swa_pages, bootstrap_timeout, transfer_timeout
         )
@@ -195,9 +204,9 @@ class TransferBackend:
         """
         raise NotImplementedError
 
-    def _write(self, target, src_pages: torch.Tensor, dst_pages: torch.Tensor, planes=None):
-        """Copy source pages to destination pages of `target`, pairwise; raise on failure.
-        `planes` (PoolPlanes) names the prefill pool, default the full-attention one."""
+    def _write(self, target, src_pages: torch.Tensor, dst_pages: torch.Tensor, planes: PoolPlanes):
+        """Copy source pages of the prefill pool `planes` to destination pages of `target`,
+        pairwise, at the pool's KV heads; raise on failure."""
         raise NotImplementedError
 
     def _release(self) -> None:
@@ -376,10 +385,11 @@ class TransferBackend:
                     if not s.is_live:  # aborted meanwhile: its pages may be freed soon
                         return
                 t0 = clock_ns()
-                if len(self.full_planes.view):  # none when every layer slides
-                    self._write(s.target, cmd.src, cmd.dst)
-                if window:
-                    self._write(s.target, cmd.swa_src, cmd.swa_dst, self.swa_planes)
+                for full, swa in self.planes:  # each shipped pool writes its KV heads
+                    if len(full.view):  # none when every layer slides
+                        self._write(s.target, cmd.src, cmd.dst, full)
+                    if window:
+                        self._write(s.target, cmd.swa_src, cmd.swa_dst, swa)
                 tracer = get_tracer()
                 if tracer.enabled:
                     tracer.record("transfer", t0, clock_ns() - t0)
@@ -514,7 +524,7 @@ class TransferBackend:
         yet, or the reply was lost. How long a sender waits is its own deadline."""
         for room, link in self._link_of.items():
             if self._live[room].state == KVPoll.Bootstrapping and now >= self._next_try[room]:
-                link.post(wire.Bootstrap(room))
+                link.post(wire.Bootstrap(room, self.shipped.tp_size, self.shipped.kv_heads))
                 self._next_try[room] = now + _RESEND_S
 
     def _fail(self, s: TransferSender, reason: str) -> None:

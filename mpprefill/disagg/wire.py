@@ -8,7 +8,7 @@ carries a "type"; the router reply has the shape of the server's reply to its cl
   router -> decode        register          rid, bootstrap_room, input_ids
   decode -> router        (none)            rid, status done|error, first_token, verified,
                                             max_abs_err | error
-  prefill -> decode       bootstrap         room
+  prefill -> decode       bootstrap         room, tp_size, kv_heads
   decode -> prefill       bootstrap_reply   room, status ready|unknown|error, pool,
                                             dst_pages, decode_prefix_len, error, instance
   prefill -> decode       transfer_done     room, first_token, num_pages, instance
@@ -24,6 +24,11 @@ carries a "type"; the router reply has the shape of the server's reply to its cl
 NOTE: dst_pages lists every receive page of the room, prompt order. The first
 decode_prefix_len // page_size of them already hold KV; the k-th page the prefill side
 sends goes to dst_pages[decode_prefix_len // page_size + k].
+
+NOTE: kv_heads lists the [start, stop) KV heads of each pool the prefill writes (one per
+distinct range of its tensor-parallel ranks; none: one pool with every head). The decode
+accepts the room only if they tile its own pool's heads (`head_tiling_error`), each pool's
+heads landing at their offset in every slot.
 
 NOTE: `instance` names one run of a decode receiver. The prefill sends back the instance
 that answered a room's bootstrap and accepts only that instance's ack, so a receiver that
@@ -56,6 +61,7 @@ ADDRESS_RE = re.compile(
     r"(?P<host>[A-Za-z0-9._-]{1,255}|\[[0-9A-Fa-f:.]{2,45}\]):(?P<port>\d{1,5})"
 )
 QUOTE_CHARS = 80
+MAX_HEAD_RANGES = 1024  # KV head ranges in a bootstrap: one per tensor-parallel rank at most
 
 
 def quote(v: Any) -> str:
@@ -119,6 +125,23 @@ class PoolLayout:
         return None if not diff else f"pool layouts differ in {diff}: {mine} vs {theirs}"
 
 
+def head_tiling_error(kv_heads: list[list[int]], num_kv_heads: int, tp_size: int) -> str | None:
+    """Why pools holding heads `kv_heads` (a prefill at `tp_size`) cannot fill a pool of
+    `num_kv_heads` heads (None: they tile [0, num_kv_heads) exactly, at most one per rank)."""
+    if not kv_heads:
+        return None if tp_size == 1 else f"a TP {tp_size} prefill named no KV head ranges"
+    ranges = sorted(kv_heads)
+    starts = [r[0] for r in ranges]
+    stops = [r[1] for r in ranges]
+    tiled = starts == [0, *stops[:-1]] and stops[-1] == num_kv_heads
+    if tiled and len(ranges) <= tp_size:
+        return None
+    return (
+        f"a TP {tp_size} prefill writing KV heads {quote(kv_heads)} does not fill this"
+        f" decode's {num_kv_heads} KV heads, each once"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Register:
     rid: str
@@ -139,6 +162,8 @@ class RouterReply:
 @dataclass(frozen=True, slots=True)
 class Bootstrap:
     room: int
+    tp_size: int = 1  # the prefill's tensor-parallel size
+    kv_heads: list[list[int]] = field(default_factory=list)  # [start, stop) per pool written
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +263,16 @@ def _ints(v: Any, name: str) -> list[int]:
     return [_int(x, name) for x in v]
 
 
+def _head_ranges(v: Any, name: str) -> list[list[int]]:
+    """[[start, stop], ...], each 0 <= start < stop, at most MAX_HEAD_RANGES of them."""
+    if not isinstance(v, list) or len(v) > MAX_HEAD_RANGES:
+        raise WireError(f"{name} must be a list of at most {MAX_HEAD_RANGES} [start, stop] pairs")
+    ranges = [_ints(r, name) for r in v]
+    if any(len(r) != 2 or r[0] >= r[1] for r in ranges):
+        raise WireError(f"{name} must hold [start, stop] pairs with start < stop: {quote(v)}")
+    return ranges
+
+
 def _address(v: Any, name: str) -> str:
     """`host:port`, port in [1, 65535]."""
     m = ADDRESS_RE.fullmatch(v) if isinstance(v, str) else None
@@ -287,7 +322,10 @@ _bool, _float, _object = _typed(bool), _typed(int, float), _typed(dict)
 
 _S = {
     "register": (Register, {"rid": _str, "bootstrap_room": _int, "input_ids": _tokens}),
-    "bootstrap": (Bootstrap, {"room": _int}),
+    "bootstrap": (
+        Bootstrap,
+        {"room": _int, "tp_size": lambda v, n: _int(v, n, minimum=1), "kv_heads": _head_ranges},
+    ),
     "bootstrap_reply": (
         BootstrapReply,
         {

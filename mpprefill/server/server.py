@@ -339,12 +339,13 @@ class PrefillServer:
 
 
 def _make_transfer(args: ServerArgs, worker):
-    """The KV pool is opened only when pages really move (with pinned staging on a GPU this
-    keeps the scheduler free of CUDA); sends wait on the worker's KV write fence."""
+    """The KV pools (one per tensor-parallel rank) are opened only when pages really move
+    (with pinned staging on a GPU this keeps the scheduler free of CUDA); sends wait on the
+    worker's KV write fence."""
     from mpprefill.disagg.backends import make_transfer
 
     backend = args.disaggregation_transfer_backend
-    kv = worker.kv_cache if backend != "fake" else None
+    kv = worker.kv_shards() if backend != "fake" else None
     return make_transfer(
         backend,
         kv,

@@ -133,3 +133,9 @@ class Worker:
     def kv_cache(self) -> KVCache:
         """The KV pool as the scheduler's transfer backend reads it."""
         raise NotImplementedError
+
+    def kv_shards(self) -> list[tuple[KVCache, range]]:
+        """Every tensor-parallel rank's KV pool and the model's KV heads it holds, rank 0
+        first; one worker of one pool: that pool, every head."""
+        kv = self.kv_cache
+        return [(kv, range(kv.buffer.shape[3]))]

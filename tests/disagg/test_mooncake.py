@@ -61,7 +61,7 @@ def test_chunks_merge_page_runs(pool, mooncake_decode):
     try:
         src = torch.tensor([4, 5, 6, 9, 10])
         dst = torch.tensor([0, 1, 2, 3, 7])
-        addrs, _, lens = b._chunks(src, dst, b.layout, 1 << 20)
+        addrs, _, lens = b._chunks(src, dst, b.layout, 1 << 20, b.planes[0][0])
         runs = 3  # [4,5,6]->[0,1,2], [9]->[3], [10]->[7]
         assert len(addrs) == 2 * kv.num_layers * runs
         page_bytes = PAGE * kv.bytes_per_slot // (2 * kv.num_layers)

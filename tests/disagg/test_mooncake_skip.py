@@ -18,8 +18,9 @@ MOONCAKE_TESTS = (
     "tests/disagg/test_mooncake.py",
     "tests/disagg/test_swa_scheduler.py",
     "tests/server/test_disagg_e2e.py",
+    "tests/disagg/test_tp_transfer.py",
 )
-NUM_MOONCAKE_TESTS = 4  # two in test_mooncake.py, one parameter in each of the others
+NUM_MOONCAKE_TESTS = 5  # two in test_mooncake.py, one in (or parameter of) each of the others
 
 
 def test_missing_library_is_the_reason(monkeypatch):

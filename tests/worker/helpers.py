@@ -22,9 +22,10 @@ class RecordingTransfer(TransferBackend):
 
     def __init__(self, kv, page_size: int, fence=None):
         self.reads: list[torch.Tensor] = []
+        self.kv = kv
         super().__init__(kv, page_size, "127.0.0.1:9", dead_timeout=60.0, fence=fence)
 
-    def _write(self, target, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+    def _write(self, target, src_pages: torch.Tensor, dst_pages: torch.Tensor, planes) -> None:
         ps = self.page_size
         slots = (src_pages[:, None] * ps + torch.arange(ps)).flatten()
         self.reads.append(self.kv.buffer[:, :, slots].clone())

@@ -12,7 +12,10 @@ to `arrived` with its pages, which are then the server's.
 A room belongs to the connection that registered it (the router) and to the first prefill
 that bootstraps it (`Room.peer`): a bootstrap, transfer_done or abort from anyone else is
 refused. Every reply to a prefill names this run (`instance`), and a transfer_done must name
-it back. Everything waits against a deadline: registrations for pages
+it back. A bootstrap names the prefill's tensor-parallel size and the KV heads of each pool
+it writes; a room whose pools do not tile this pool's heads fails at its bootstrap, before
+any page is written (a prefill at any TP size fills this pool, each pool its heads of
+every slot). Everything waits against a deadline: registrations for pages
 (`--register-timeout`), rooms for their KV (`--waiting-timeout`), aborted rooms for the
 prefill's confirmation (_DRAIN_S); registrations waiting are capped.
 """
@@ -287,6 +290,12 @@ class DecodeReceiver:
         if room.peer not in (None, ident):
             error = f"room {msg.room} is bound to another prefill"
             self._send(ident, wire.BootstrapReply(msg.room, "error", error=error))
+            return
+        error = wire.head_tiling_error(msg.kv_heads, self.layout.num_kv_heads, msg.tp_size)
+        if error is not None:  # its pages would land at the wrong heads: nothing is written
+            logger.warning("room %d refused: %s", msg.room, error)
+            self._send(ident, wire.BootstrapReply(msg.room, "error", error=error))
+            self._finish(room, wire.RouterReply(room.rid, "error", error=error))
             return
         room.peer = ident
         pages = room.pages.tolist()
