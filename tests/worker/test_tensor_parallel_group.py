@@ -220,7 +220,7 @@ def test_in_process_modes_refuse_tp(mode):
     "kwargs, match",
     [
         (dict(tp_size=0), "--tp-size must be >= 1"),
-        (dict(tp_size=2, disaggregation_transfer_backend="shm"), "transfer"),
+        (dict(tp_size=2, staging="cuda-ipc"), "--staging pinned"),
         (dict(tp_size=2, host_store_size=64), "host-store-size"),
     ],
 )
