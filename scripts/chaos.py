@@ -13,7 +13,8 @@ importable.
 Faults, all seeded: aborts aimed at each stage (waiting, bootstrapping, mid-chunk,
 transfer), malformed and hostile frames, the decode receiver SIGKILLed and restarted,
 slow transfers (the decode's test-only `--test-transfer-delay-ms`), a burst that overfills
-the small KV pool and the request queue, and near the end a SIGKILL of the forward process.
+the small KV pool and the request queue, and near the end a SIGKILL of the forward process
+(of one rank, chosen by the seed, with --tp-size N).
 
 It then checks: every request got exactly one reply; every done reply's first token is the
 offline normal-mode engine's, and each token of a router reply the engine's greedy token
@@ -58,6 +59,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.1,
         help="share of the normal and burst load sent through SGLang's router (0: no router leg)",
+    )
+    ap.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="forward processes of serve's tensor-parallel group; the kill near the end hits"
+        " one rank, chosen by the seed",
+    )
+    ap.add_argument(
+        "--host-store-size", type=int, default=0, help="serve's host KV tier in tokens (0: off)"
     )
     ap.add_argument("--sliding-window", type=int, help="make the model's layers slide")
     ap.add_argument("--swa-layers", help="which layers slide (as `mpprefill serve`)")

@@ -162,16 +162,24 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def worker_pid(serve_pid: int) -> int | None:
-    """The forward process: the serve process's spawned child (not its resource tracker)."""
+def forward_pids(serve_pid: int) -> list[int]:
+    """The forward processes (one per tensor-parallel rank): the serve process's spawned
+    children, not its resource tracker."""
+    pids = []
     for child in children(serve_pid):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as f:
                 if b"spawn_main" in f.read():
-                    return child
+                    pids.append(child)
         except OSError:
             continue
-    return None
+    return pids
+
+
+def worker_pid(serve_pid: int) -> int | None:
+    """A forward process (the first listed where there are several ranks)."""
+    pids = forward_pids(serve_pid)
+    return pids[0] if pids else None
 
 
 def runtime_dir_of(pid: int) -> str | None:

@@ -276,6 +276,8 @@ def summarize(run, invariants: dict, exits: dict, leaks: dict) -> dict:
     problems += [*map(str, router["problems"]), *registrations]
     return {
         "mode": a.forward_mode,
+        "tp_size": a.tp_size,
+        "host_store_size": a.host_store_size,
         "seed": a.seed,
         "phases_s": run.phases,
         "wall_s": time.monotonic() - run.t0,

@@ -22,6 +22,7 @@ from chaoslib.router import ChaosRouter
 from chaoslib.workload import SLOW_EVERY, ChaosWorkload, Record
 from mpprefill.bench.procs import (
     Child,
+    forward_pids,
     free_port,
     runtime_dir_of,
     start_decode,
@@ -93,7 +94,8 @@ class ChaosRun:
             *("--max-prefill-tokens", "512", "--max-queued-requests", str(a.max_queued_requests)),
             *("--disaggregation-transfer-backend", "shm", "--bootstrap-timeout", "8"),
             *("--disaggregation-bootstrap-port", str(self.bootstrap_port)),
-            *("--worker-threads", "1"),
+            *("--worker-threads", "1", "--tp-size", str(a.tp_size)),
+            *("--host-store-size", str(a.host_store_size)),
             *("--check-invariants", "--log-level", "warning"),
             *swa_flags(a),
         ]
@@ -300,12 +302,12 @@ class ChaosRun:
         for rec in final[:-1]:
             self.send(rec)
         answered = lambda: all(r.replies for r in final[:-1])  # noqa: E731
-        pid = worker_pid(self.serve.proc.pid)
-        if pid is None:  # the forward runs in the scheduler process: nothing to kill
+        ranks = forward_pids(self.serve.proc.pid)
+        if not ranks:  # the forward runs in the scheduler process: nothing to kill
             self.pump(60.0, answered)
             return
         self.pump(0.3)
-        os.kill(pid, signal.SIGKILL)
+        os.kill(self.rng.choice(sorted(ranks)), signal.SIGKILL)
         self.faults.worker_kill = time.monotonic()
         self.injected["worker-sigkill"] += 1
         if not self.pump(5.0, answered) and procs.alive(self.serve):

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from mpprefill.cli import build_parser
+from mpprefill.config import ServerArgs
+from mpprefill.flags import from_namespace
+
 pytestmark = pytest.mark.timeout(200)
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SCRIPT = SCRIPTS / "chaos.py"
@@ -73,3 +77,30 @@ def test_the_router_leg_is_skipped_with_its_reason_without_sglang_router(tmp_pat
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "sglang_router is not importable" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--tp-size", "2"], {"tp_size": 2}),
+        (
+            ["--host-store-size", "4096", "--sliding-window", "48"],
+            {"host_store_size": 4096, "sliding_window": 48},
+        ),
+    ],
+)
+def test_tensor_parallel_and_host_store_runs_pass_their_flags_to_serve(tmp_path, argv, expect):
+    """`--tp-size` and `--host-store-size` reach serve's command line, and serve's own
+    argument parser takes that command line."""
+    code = (
+        f"import sys, json; sys.path.insert(0, {str(SCRIPTS)!r}); "
+        "import chaos; from chaoslib.run import ChaosRun; "
+        f"print(json.dumps(ChaosRun(chaos.parse_args({argv!r}), {str(tmp_path)!r}).serve_flags()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    flags = json.loads(out.stdout.strip().splitlines()[-1])
+    parsed = build_parser().parse_args(["serve", "--zmq-port", "1", *flags])
+    args = from_namespace(ServerArgs, parsed)
+    assert {k: getattr(args, k) for k in expect} == expect
+    assert args.resolved_forward_mode == "proc-ahead"  # a mode a group of ranks runs in

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mpprefill.bench.procs import children
+from mpprefill.bench.procs import forward_pids
 from mpprefill.disagg.transfer import TransferBackend
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling import SamplingBatchInfo, SamplingParams
@@ -54,12 +54,4 @@ def forward_input(seq: int, ids: list[int], slots: list[int], vocab: int) -> For
 
 def rank_pids(parent: int) -> list[int]:
     """The forward processes `parent` spawned (multiprocessing's spawn children)."""
-    pids = []
-    for child in children(parent):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    pids.append(child)
-        except OSError:
-            continue
-    return pids
+    return forward_pids(parent)
