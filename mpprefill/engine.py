@@ -10,7 +10,7 @@ import torch
 
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.sender import FakeTransfer
-from mpprefill.sampling import SamplingParams
+from mpprefill.sampling.params import SamplingParams
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Flushed, Scheduler

@@ -15,7 +15,7 @@ import torch
 from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, load_model
-from mpprefill.sampling import SamplingParams
+from mpprefill.sampling.params import SamplingParams
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.worker.api import Worker

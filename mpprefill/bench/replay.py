@@ -9,7 +9,8 @@ import torch
 
 from mpprefill.config import ServerArgs
 from mpprefill.model import ForwardBatch
-from mpprefill.sampling import SamplingBatchInfo, SamplingParams
+from mpprefill.sampling.info import SamplingBatchInfo
+from mpprefill.sampling.params import SamplingParams
 from mpprefill.worker.api import ForwardInput, sleep_until_ns
 from mpprefill.worker.build import build_runner
 from mpprefill.worker.runner import set_torch_threads

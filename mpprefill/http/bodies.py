@@ -23,7 +23,7 @@ from typing import Any
 from mpprefill.http.errors import ABORTED, bad_request, from_reply, is_abort
 from mpprefill.http.link import Bootstrap
 from mpprefill.http.tokenizer import TextTokenizer
-from mpprefill.sampling import SamplingParams
+from mpprefill.sampling.params import SamplingParams
 from mpprefill.server.protocol import MAX_HOST_CHARS, MAX_RID_CHARS, MAX_ROOM
 
 # SGLang's defaults where the protocol's differ (it samples at temperature 1 unless told).

@@ -1,9 +1,3 @@
-"""Sampling: per-request parameters, their batched tensors, and the sampler."""
-
-from __future__ import annotations
-
-from mpprefill.sampling.info import PACKED_FIELDS, SamplingBatchInfo
-from mpprefill.sampling.params import SamplingParams
-from mpprefill.sampling.sampler import sample
-
-__all__ = ["PACKED_FIELDS", "SamplingBatchInfo", "SamplingParams", "sample"]
+"""Sampling: per-request parameters (`params`, free of torch, so that the HTTP front and
+the request protocol load without it), their batched tensors (`info`) and the sampler
+(`sampler`)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mpprefill.model import ForwardBatch
-from mpprefill.sampling import SamplingBatchInfo
+from mpprefill.sampling.info import SamplingBatchInfo
 from mpprefill.scheduling.req import Req
 from mpprefill.worker.api import ForwardInput
 

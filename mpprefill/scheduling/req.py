@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from mpprefill.sampling import SamplingParams
+from mpprefill.sampling.params import SamplingParams
 
 
 class ReqStatus(enum.Enum):

@@ -20,7 +20,7 @@ from mpprefill.disagg.sender import KVPoll
 from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.req_to_token import ReqToTokenPool
 from mpprefill.model import ModelConfig
-from mpprefill.sampling import SamplingBatchInfo
+from mpprefill.sampling.info import SamplingBatchInfo
 from mpprefill.scheduling.adder import AddResult, PrefillAdder
 from mpprefill.scheduling.batch import ForwardSnapshot, ScheduleBatch, build_forward_batch
 from mpprefill.scheduling.host_tier import make_host_tier

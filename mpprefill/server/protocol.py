@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from mpprefill.sampling import SamplingParams
+from mpprefill.sampling.params import SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20
 MAX_WIRE_BYTES = 64 << 20

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from mpprefill.model import ForwardBatch
-from mpprefill.sampling import SamplingBatchInfo
+from mpprefill.sampling.info import SamplingBatchInfo
 
 if TYPE_CHECKING:
     from mpprefill.memory.kv_cache import KVCache

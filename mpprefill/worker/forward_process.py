@@ -33,7 +33,7 @@ from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig
 from mpprefill.model.parallel import TPRank, init_tp_group, shard_config, tp_backend
-from mpprefill.sampling import SamplingBatchInfo
+from mpprefill.sampling.info import SamplingBatchInfo
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker import profiling

@@ -14,7 +14,8 @@ import torch
 
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, LlamaForCausalLM
-from mpprefill.sampling import SamplingBatchInfo, sample
+from mpprefill.sampling.info import SamplingBatchInfo
+from mpprefill.sampling.sampler import sample
 from mpprefill.trace.tracer import clock_ns, get_tracer
 from mpprefill.worker.api import ForwardInput
 

@@ -37,7 +37,7 @@ import torch
 import ipc
 from ipc.cuda import pin
 from mpprefill.model import ForwardBatch
-from mpprefill.sampling import SamplingBatchInfo
+from mpprefill.sampling.info import SamplingBatchInfo
 from mpprefill.worker.device import CudaStream, DevicePlan, HostStream
 from mpprefill.worker.events import NUM_SLOTS, SchedulerOrder
 

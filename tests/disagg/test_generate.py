@@ -14,7 +14,9 @@ from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.memory.swa_allocator import SwaPagedAllocator
 from mpprefill.model import ForwardBatch, LlamaForCausalLM, ModelConfig, load_model
-from mpprefill.sampling import SamplingBatchInfo, SamplingParams, sample
+from mpprefill.sampling.info import SamplingBatchInfo
+from mpprefill.sampling.params import SamplingParams
+from mpprefill.sampling.sampler import sample
 
 PAGE = 4
 LENS = (1, 5, 16, 17, 40)  # 16: the first decode token opens a new page

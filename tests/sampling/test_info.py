@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from mpprefill.sampling import PACKED_FIELDS, SamplingBatchInfo, SamplingParams
+from mpprefill.sampling.info import PACKED_FIELDS, SamplingBatchInfo
+from mpprefill.sampling.params import SamplingParams
 
 VOCAB = 32
 

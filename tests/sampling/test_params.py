@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from mpprefill.sampling import SamplingParams
+from mpprefill.sampling.params import SamplingParams
 
 
 def test_defaults_are_greedy_single_token() -> None:

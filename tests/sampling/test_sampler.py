@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpprefill.sampling import SamplingBatchInfo, SamplingParams, sample
+from mpprefill.sampling.info import SamplingBatchInfo
+from mpprefill.sampling.params import SamplingParams
+from mpprefill.sampling.sampler import sample
 
 LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, -6.0]
 

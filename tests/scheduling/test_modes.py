@@ -11,7 +11,7 @@ import torch
 
 from mpprefill.config import FORWARD_MODES
 from mpprefill.engine import PrefillEngine
-from mpprefill.sampling import PACKED_FIELDS
+from mpprefill.sampling.info import PACKED_FIELDS
 from mpprefill.scheduling import batch as batch_mod
 from mpprefill.scheduling.invariants import InvariantError
 from mpprefill.trace.tracer import INSTANT, Tracer, set_tracer

@@ -10,7 +10,8 @@ import torch
 from mpprefill.bench.procs import forward_pids
 from mpprefill.disagg.transfer import TransferBackend
 from mpprefill.model import ForwardBatch
-from mpprefill.sampling import SamplingBatchInfo, SamplingParams
+from mpprefill.sampling.info import SamplingBatchInfo
+from mpprefill.sampling.params import SamplingParams
 from mpprefill.worker.api import ForwardInput
 
 

@@ -35,7 +35,9 @@ import torch
 from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch
-from mpprefill.sampling import SamplingBatchInfo, SamplingParams, sample
+from mpprefill.sampling.info import SamplingBatchInfo
+from mpprefill.sampling.params import SamplingParams
+from mpprefill.sampling.sampler import sample
 
 logger = logging.getLogger(__name__)
 
