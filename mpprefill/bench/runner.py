@@ -39,6 +39,7 @@ _SERVE_VALUES = (
     "staging",
     "swa_full_tokens_ratio",
     "context_length",
+    "tp_size",
 )
 _SERVE_SWITCHES = (
     "delay_sampling",
@@ -174,6 +175,7 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
     batches = c1["num_batches"] - c0["num_batches"]
     fwd_s = c1["forward_s"] - c0["forward_s"]
     device_s = c1["device_s"] - c0["device_s"]
+    collective_s = c1["collective_s"] - c0["collective_s"]
     new_gaps = c1["handoff_n"] - c0["handoff_n"]
     gaps = c1["handoff_gaps_ms"][-new_gaps:] if new_gaps > 0 else []
     phase_s = {
@@ -205,6 +207,8 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
         "t_issue_ms": fwd_s / max(batches, 1) * 1e3,
         "t_device_ms": device_s / max(batches, 1) * 1e3,
         "device_busy_frac": device_s / duration,
+        "t_collective_ms": collective_s / max(batches, 1) * 1e3,
+        "collective_share": collective_s / device_s if device_s > 0 else 0.0,
         "handoff_gap_ms": stats.percentile(gaps, 50) if gaps else 0.0,
         "handoff_batches": len(gaps),
         "phase_ms_per_batch": {p: s / max(batches, 1) * 1e3 for p, s in phase_s.items()},

@@ -156,6 +156,7 @@ def format_table(result: dict) -> str:
         f"back to back): {bound:,.0f} uncached tokens/s; times are ms per batch, gap is the "
         "median hand-off gap"
     )
+    lines += _collective_lines(result)
     for c in result.get("front_cost", []):
         lines.append(
             f"HTTP front, {c['mode']}: {c['http_itps']:,.0f} uncached ITPS against "
@@ -163,6 +164,18 @@ def format_table(result: dict) -> str:
             f"{c['ttft_p50_ms']['http']:.0f} ms against {c['ttft_p50_ms']['zmq']:.0f} ms"
         )
     return "\n".join(lines)
+
+
+def _collective_lines(result: dict) -> list[str]:
+    """Per mode, the collectives' share of device time (emulated tensor parallel only)."""
+    server = result["config"]["server"]
+    if server["device"] != "emulated" or server["tp_size"] == 1:
+        return []
+    return [
+        f"TP {server['tp_size']} collectives, {r['mode']}: {r['collective_share']:.1%} of device "
+        f"time ({r['t_collective_ms']:.2f} of {r['t_device_ms']:.2f} ms per batch)"
+        for r in result["runs"]
+    ]
 
 
 # ---- the t_sched / t_fwd sweep ------------------------------------------------------------

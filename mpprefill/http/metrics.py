@@ -184,6 +184,11 @@ class SchedulerCollector:
             ("mpprefill:batch_tokens_total", "Tokens forwarded.", c["batch_tokens"]),
             ("mpprefill:forward_seconds_total", "Host time of the forwards.", c["forward_s"]),
             ("mpprefill:device_seconds_total", "Device busy time of the forwards.", c["device_s"]),
+            (
+                "mpprefill:collective_seconds_total",
+                "Device time of the forwards in collectives (emulated tensor parallel).",
+                c["collective_s"],
+            ),
             ("mpprefill:sched_seconds_total", "The scheduler's own work.", c.get("sched_s", 0.0)),
             (
                 "mpprefill:finished_reqs_total",

@@ -32,6 +32,7 @@ class SchedulerMetrics:
     num_batches: int = 0
     forward_s: float = 0.0  # host time of the forward calls (issue)
     device_s: float = 0.0  # the device's busy time in the forwards
+    collective_s: float = 0.0  # the part of device_s in collectives (emulated tensor parallel)
     handoff_n: int = 0
     handoff_gaps_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_GAPS))
     batch_tokens: int = 0
@@ -71,6 +72,7 @@ class SchedulerMetrics:
         self.num_batches += 1
         self.forward_s += result.forward_s
         self.device_s += result.device_s
+        self.collective_s += result.collective_s
         self.batch_tokens += fb.num_tokens
         built = self._built_ns.pop(result.seq, None)
         prev_seq, prev_end = self._last_end
@@ -114,6 +116,7 @@ class SchedulerMetrics:
             "num_batches": self.num_batches,
             "forward_s": self.forward_s,
             "device_s": self.device_s,
+            "collective_s": self.collective_s,
             "handoff_n": self.handoff_n,
             "handoff_gaps_ms": [g * 1e3 for g in self.handoff_gaps_s],
             "batch_tokens": self.batch_tokens,

@@ -54,6 +54,7 @@ class ForwardResult(NamedTuple):
     start_ns: int = 0  # when the worker (or its device) began and finished it, on clock_ns
     end_ns: int = 0
     device_s: float = 0.0  # the device's busy time in it
+    collective_s: float = 0.0  # the part of device_s in collectives (emulated tensor parallel)
 
     def wait_ready(self) -> None:
         """Return once the forward's device work is done (at once unless the device runs

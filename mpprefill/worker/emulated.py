@@ -40,8 +40,8 @@ from mpprefill.worker.roofline import (
     GPUS,
     DeviceClock,
     ModelShape,
-    head_time_s,
-    layer_time_s,
+    head_parts_s,
+    layer_parts_s,
     resolve_shape,
 )
 
@@ -108,7 +108,7 @@ class EmulatedDevice:
         self.gpu = GPUS[gpu]
         self.tp_size = tp_size
         self.clock = DeviceClock()
-        self._last = (0, 0, 0.0)
+        self._last = (0, 0, 0.0, 0.0)
 
     @classmethod
     def of(cls, emulate_model: str, gpu: str, tp_size: int = 1) -> EmulatedDevice:
@@ -117,8 +117,10 @@ class EmulatedDevice:
     def forward(self, model: LlamaForCausalLM, fb: ForwardBatch, kv: KVCache):
         extend = fb.extend_lens.tolist()
         prefix = fb.prefix_lens.tolist()
-        layer_s = layer_time_s(self.shape, self.gpu, extend, prefix, self.tp_size)
-        head_s = head_time_s(self.shape, self.gpu, len(extend), self.tp_size)
+        compute, allreduce = layer_parts_s(self.shape, self.gpu, extend, prefix, self.tp_size)
+        head, gather = head_parts_s(self.shape, self.gpu, len(extend), self.tp_size)
+        layer_s = compute + allreduce
+        head_s = head + gather
         first: list[float] = []
 
         def on_layer(i: int) -> None:
@@ -130,12 +132,14 @@ class EmulatedDevice:
         end = self.clock.issue(head_s)
         start = first[0] if first else end - head_s
         busy = layer_s * len(model.layers) + head_s
-        self._last = (int(start * 1e9), int(end * 1e9), busy)
+        collective = allreduce * len(model.layers) + gather
+        self._last = (int(start * 1e9), int(end * 1e9), busy, collective)
         return logits
 
-    def last_forward(self) -> tuple[int, int, float]:
-        """The last forward on the device: its start and end (clock_ns) and its busy
-        seconds (less than end - start where the host issued layers slower than they ran)."""
+    def last_forward(self) -> tuple[int, int, float, float]:
+        """The last forward on the device: its start and end (clock_ns), its busy seconds
+        (less than end - start where the host issued layers slower than they ran) and the
+        part of them in collectives (0 at `tp_size` 1)."""
         return self._last
 
 

@@ -133,7 +133,7 @@ class WorkerLoop:
                 raise RuntimeError(f"unexpected message {type(msg).__name__}")
             self.order.flush()
             self.stream.check()
-            span = span or (0, 0, 0.0)
+            span = span or (0, 0, 0.0, 0.0)
             outbox.put(Done(msg.seq, time.perf_counter() - t0, sampled, *span))
 
     def _next(self, inbox: Inbox):
@@ -157,7 +157,7 @@ class WorkerLoop:
                 self.runner.kv.device,
             )
 
-    def _forward(self, msg: Submit, read=None) -> tuple[int, int, float]:
+    def _forward(self, msg: Submit, read=None) -> tuple[int, int, float, float]:
         o = self.order
         slot = msg.slot
         seq = msg.seq
@@ -174,7 +174,7 @@ class WorkerLoop:
             want_logits = msg.want_logits or msg.delay_sample
             self._write_result(seq, out.next_token_ids, out.logits if want_logits else None)
             o.result_ready(forward_gen(seq))
-        return out.start_ns, out.end_ns, out.device_s
+        return out.start_ns, out.end_ns, out.device_s, out.collective_s
 
     def _sample(self, msg: Sample) -> None:
         """Samples the forward before it, which must be `msg.seq` and deferred."""

@@ -52,6 +52,7 @@ class Done:
     start_ns: int = 0  # when the device began and finished the forward (clock_ns)
     end_ns: int = 0
     device_s: float = 0.0  # the device's busy time in it
+    collective_s: float = 0.0  # the part of it in collectives
 
 
 @message

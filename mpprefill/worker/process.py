@@ -202,7 +202,14 @@ class ProcessWorker(Worker):
         want = inp.return_logits or inp.delay_sample
         logits = self.result["logits"][row, :b].clone() if want else None
         return ForwardResult(
-            done.seq, tokens, logits, done.forward_s, done.start_ns, done.end_ns, done.device_s
+            done.seq,
+            tokens,
+            logits,
+            done.forward_s,
+            done.start_ns,
+            done.end_ns,
+            done.device_s,
+            done.collective_s,
         )
 
     def sample(self, inp: ForwardInput, timeout: float | None = None) -> torch.Tensor:

@@ -294,6 +294,13 @@ def layer_parts_s(
 def head_time_s(shape: ModelShape, gpu: GpuSpec, num_reqs: int, tp: int = 1) -> float:
     """Seconds of the final norm and LM head on each request's last position (at `tp`, a
     vocabulary slice per GPU, then the all-gather of the logits)."""
+    return sum(head_parts_s(shape, gpu, num_reqs, tp))
+
+
+def head_parts_s(
+    shape: ModelShape, gpu: GpuSpec, num_reqs: int, tp: int = 1
+) -> tuple[float, float]:
+    """(compute, all-gather) seconds of the head on one of `tp` GPUs."""
     if num_reqs <= 0:
         raise ValueError(f"num_reqs must be positive, got {num_reqs}")
     rank = shape.shard(tp)
@@ -302,7 +309,7 @@ def head_time_s(shape: ModelShape, gpu: GpuSpec, num_reqs: int, tp: int = 1) -> 
     nbytes = weights + num_reqs * rank.vocab * LOGIT_BYTES
     busy = _part_time_s(flops, gpu.gemm_flops, nbytes, gpu.memory_bandwidth)
     gather = allgather_time_s(gpu, num_reqs * shape.vocab * LOGIT_BYTES, tp)
-    return max(busy, KERNELS_PER_HEAD * gpu.kernel_floor_s) + gather
+    return max(busy, KERNELS_PER_HEAD * gpu.kernel_floor_s), gather
 
 
 def allreduce_time_s(gpu: GpuSpec, nbytes: float, tp: int) -> float:

@@ -31,6 +31,7 @@ class RunOutput(NamedTuple):
     start_ns: int  # when the device began and finished this forward (clock_ns)
     end_ns: int
     device_s: float  # the device's busy time in it
+    collective_s: float  # the part of device_s in collectives (emulated tensor parallel)
 
 
 class ForwardRunner:
@@ -59,7 +60,7 @@ class ForwardRunner:
             tracer.record("F", t0, t1 - t0, inp.seq)
         forward_s = (t1 - t0) / 1e9
         if self.device is None:
-            return RunOutput(tokens, logits, forward_s, t0, t1, forward_s)
+            return RunOutput(tokens, logits, forward_s, t0, t1, forward_s, 0.0)
         return RunOutput(tokens, logits, forward_s, *self.device.last_forward())
 
     @torch.inference_mode()

@@ -132,6 +132,7 @@ def test_metrics_move_with_the_replies(serve):
     assert 0 < after["sglang:cache_hit_rate"] < 1
     assert 0 <= after["mpprefill:forward_busy_fraction"] <= 1
     assert after["mpprefill:t_sched_ms"] > 0
+    assert after["mpprefill:collective_seconds_total"] == 0  # no tensor-parallel collectives
     counters = serve.get("/server_info")[1]["internal_states"][0]["counters"]
     hit = counters["cached_tokens"] / counters["prompt_tokens"]
     assert after["sglang:cache_hit_rate"] == pytest.approx(hit)

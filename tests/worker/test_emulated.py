@@ -66,12 +66,13 @@ def test_device_time_follows_the_roofline_and_queues_behind_earlier_work():
     layer = layer_time_s(shape, dev.gpu, [300, 200], [512, 0])
     want = shape.num_layers * layer + head_time_s(shape, dev.gpu, 2)
     dev.forward(model, fb, kv)
-    start1, end1, busy1 = dev.last_forward()
+    start1, end1, busy1, collective1 = dev.last_forward()
     assert busy1 == pytest.approx(want)
+    assert collective1 == 0.0  # one GPU: no collectives
     # The device waits for the host to issue each layer: the span is never shorter.
     assert (end1 - start1) / 1e9 >= want * (1 - 1e-9)
     dev.forward(model, fb, kv)
-    start2, end2, _ = dev.last_forward()
+    start2, end2, _, _ = dev.last_forward()
     assert start2 >= end1 - 1000  # the second forward waits for the first on the device
 
 

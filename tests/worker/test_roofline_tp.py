@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from mpprefill.engine import PrefillEngine
-from mpprefill.worker.emulated import EmulatedDevice
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model import ForwardBatch, ModelConfig
+from mpprefill.worker.emulated import EmulatedDevice, host_config, host_model
 from mpprefill.worker.roofline import (
     GPUS,
     KERNELS_PER_LAYER,
@@ -61,6 +63,31 @@ def test_tp_head_gathers_the_logits():
     eight = head_time_s(LLAMA_70B, H200, 4, 8)
     gather = allgather_time_s(H200, 4 * LLAMA_70B.vocab * 4, 8)
     assert eight - gather < one / 4 and eight > gather
+
+
+def test_emulated_device_reports_its_collective_seconds():
+    """At TP 2 a forward's collectives are two all-reduces of the T x hidden activations per
+    layer and the all-gather of the logits; at TP 1 there are none."""
+    shape = PRESETS["Llama-3.1-8B"]
+    model = host_model(host_config(ModelConfig.tiny(), "Llama-3.1-8B"), seed=0)
+    kv = KVCache.for_model(model.config, 2048)
+    extend, prefix = [300, 200], [512, 0]
+    ids = [[(5 * i + j) % 90 + 1 for j in range(e)] for i, e in enumerate(extend)]
+    slots = [list(range(0, 812)), list(range(812, 1012))]
+    fb = ForwardBatch.build(ids, prefix, slots)
+    allreduce = allreduce_time_s(H200, 500 * shape.hidden * shape.dtype_bytes, 2)
+    gather = allgather_time_s(H200, 2 * shape.vocab * 4, 2)  # float32 logits of 2 requests
+    want = {1: 0.0, 2: shape.num_layers * 2 * allreduce + gather}
+    for tp in (1, 2):
+        dev = EmulatedDevice(shape, "h200", tp)
+        dev.forward(model, fb, kv)
+        _, _, busy, collective = dev.last_forward()
+        assert collective == pytest.approx(want[tp], abs=1e-12)
+        assert busy == pytest.approx(
+            shape.num_layers * layer_time_s(shape, H200, extend, prefix, tp)
+            + head_time_s(shape, H200, 2, tp)
+        )
+    assert 0 < collective < busy
 
 
 def test_emulated_device_refuses_a_shape_that_does_not_split():
