@@ -37,6 +37,7 @@ import struct
 import time
 
 import torch
+import zmq
 
 import ipc
 from mpprefill.config import ServerArgs
@@ -160,33 +161,37 @@ def _copy_out(fb: ForwardBatch, sampling: SamplingBatchInfo) -> list[torch.Tenso
     return [t.clone() for t in (*tensors, *sampling.to_tensors().values())]
 
 
-def _reader(conn, shared: list[dict], own: list[dict]) -> None:
+def _reader(endpoint: str, shared: list[dict], own: list[dict]) -> None:
     """One rank: both designs' slots opened once, then one read per signal until told to
     exit (or the parent is silent for WAIT_S). One thread: a slot's copy is too small to split."""
     torch.set_num_threads(1)
     slots = (_open(shared), _open(own))
-    conn.send_bytes(b"ready")
-    while conn.poll(WAIT_S):
-        design, slot, num_tokens, num_reqs, num_kv = SIGNAL.unpack(conn.recv_bytes())
+    conn = zmq.Context.instance().socket(zmq.PAIR)
+    conn.setsockopt(zmq.LINGER, 1000)
+    conn.connect(endpoint)
+    conn.send(b"ready")
+    while conn.poll(WAIT_S * 1000):
+        design, slot, num_tokens, num_reqs, num_kv = SIGNAL.unpack(conn.recv())
         if design < 0:
-            return
+            break
         start = time.monotonic()
         fb, sampling, _ = read_slot(slots[design][slot], num_tokens, num_reqs, num_kv)
         _copy_out(fb, sampling)
-        conn.send_bytes(STAMPS.pack(start, time.monotonic()))
+        conn.send(STAMPS.pack(start, time.monotonic()))
+    conn.close()
 
 
-def _recv(conn, what: str) -> bytes:
-    if not conn.poll(WAIT_S):
+def _recv(conn: zmq.Socket, what: str) -> bytes:
+    if not conn.poll(WAIT_S * 1000):
         raise TimeoutError(f"no {what} from a reader within {WAIT_S}s")
-    return conn.recv_bytes()
+    return conn.recv()
 
 
 class Readers:
     """`n` spawned reader processes, reader r reading the shared slot or rank r's own."""
 
     def __init__(self, rig: Rig, n: int):
-        self.conns, self.procs = [], []
+        self.conns, self.procs, self.endpoints = [], [], []
         try:
             self._start(rig, n)
         except BaseException:
@@ -196,13 +201,17 @@ class Readers:
     def _start(self, rig: Rig, n: int) -> None:
         ctx = mp.get_context("spawn")
         shared = _handle_dicts(rig.shared)
+        tag = ipc.new_prefix("tpr")
         for r in range(n):
-            ours, theirs = ctx.Pipe()
-            args = (theirs, shared, _handle_dicts(rig.own[r]))
+            conn = zmq.Context.instance().socket(zmq.PAIR)
+            conn.setsockopt(zmq.LINGER, 0)
+            endpoint = ipc.ipc_endpoint(f"{tag}-{r}")
+            conn.bind(endpoint)
+            self.conns.append(conn)
+            self.endpoints.append(endpoint)
+            args = (endpoint, shared, _handle_dicts(rig.own[r]))
             proc = ctx.Process(target=_reader, args=args, name=f"tp-reader{r}", daemon=True)
             proc.start()
-            theirs.close()
-            self.conns.append(ours)
             self.procs.append(proc)
         for conn in self.conns:
             if _recv(conn, "ready") != b"ready":
@@ -212,18 +221,21 @@ class Readers:
         """Signal the first `ranks` readers at once; each one's (start, done) stamps."""
         msg = SIGNAL.pack(DESIGNS.index(design), slot, *counts)
         for conn in self.conns[:ranks]:
-            conn.send_bytes(msg)
+            conn.send(msg)
         return [STAMPS.unpack(_recv(conn, "read")) for conn in self.conns[:ranks]]
 
     def close(self) -> None:
         for conn in self.conns:
-            with contextlib.suppress(OSError):  # that reader is gone already
-                conn.send_bytes(SIGNAL.pack(-1, 0, 0, 0, 0))
+            with contextlib.suppress(zmq.ZMQError):  # that reader is gone already
+                conn.send(SIGNAL.pack(-1, 0, 0, 0, 0), zmq.NOBLOCK)
         for proc in self.procs:
             proc.join(5)
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+        for conn, endpoint in zip(self.conns, self.endpoints):
+            conn.close()
+            ipc.remove_ipc_endpoint(endpoint)
 
 
 def _warmup(iters: int) -> int:
