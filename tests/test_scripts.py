@@ -24,6 +24,9 @@ echo "$(basename "$0") $*" >> "$LOG"
 exit "${TOOL_RC:-0}"
 """
 
+# What test.sh runs by default: two workers, each file on one of them.
+PYTEST = "python -m pytest -n 2 --dist loadfile"
+
 
 def _exe(path: Path, text: str) -> None:
     path.write_text(text)
@@ -73,14 +76,19 @@ def test_run_sh_passes_its_flags_to_bench_not_to_pip(tree):
 def test_test_sh_installs_extras_then_runs_pytest_with_its_args(tree):
     lines = run_script(tree, "test.sh", "-q", "tests/ipc")
     assert any(ln.endswith("-e .[test,hf,plot,http]") for ln in lines), lines
-    assert lines[-1] == "python -m pytest -q tests/ipc"
+    assert lines[-1] == f"{PYTEST} -q tests/ipc"
+
+
+def test_test_sh_runs_one_pytest_worker_when_asked(tree):
+    lines = run_script(tree, "test.sh", "-x", MPPREFILL_TEST_WORKERS="0")
+    assert lines[-1] == "python -m pytest -n 0 --dist loadfile -x"
 
 
 def test_missing_rdma_libraries_are_installed_as_root(tree):
     lines = run_script(tree, "test.sh", CDLL_RC="1")
     assert "apt-get update -qq" in lines
     assert f"apt-get install -y -qq {RDMA_LIBS}" in lines
-    assert lines[-1] == "python -m pytest"
+    assert lines[-1] == PYTEST
 
 
 @pytest.mark.parametrize(
@@ -93,10 +101,10 @@ def test_missing_rdma_libraries_are_installed_as_root(tree):
 def test_rdma_libraries_left_alone(tree, case, uid, env):
     lines = run_script(tree, "test.sh", uid=uid, **env)
     assert not [ln for ln in lines if ln.startswith("apt-get")], case
-    assert lines[-1] == "python -m pytest"
+    assert lines[-1] == PYTEST
 
 
 def test_failed_rdma_install_does_not_stop_the_tests(tree):
     lines = run_script(tree, "test.sh", CDLL_RC="1", TOOL_RC="100")
     assert "apt-get update -qq" in lines
-    assert lines[-1] == "python -m pytest"
+    assert lines[-1] == PYTEST
