@@ -122,14 +122,15 @@ class BootstrapEndpoint:
     def accept(self, ident: bytes, room: int) -> None:
         self._send(ident, wire.RoomReply(room, True))
 
-    def refuse(self, ident: bytes, room: int | None, why: str) -> None:
+    def refuse(self, ident: bytes, room: int | None, why: str, code: int | None = None) -> None:
+        """`code`: the status the prefill gave the room's request, when it refused it."""
         self.refused += 1
         if self.refused <= 100 or self.refused % 1000 == 0:
             logger.info("bootstrap endpoint refused room %s: %s", room, wire.brief(why))
         if room is None:
             self._send(ident, wire.ErrorReply(wire.brief(why)))
         else:
-            self._send(ident, wire.RoomReply(room, False, wire.brief(why)))
+            self._send(ident, wire.RoomReply(room, False, wire.brief(why), code))
 
     def _send(self, ident: bytes, msg: wire.Message) -> None:
         try:

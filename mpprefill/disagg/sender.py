@@ -99,7 +99,7 @@ class FakeTransfer:
     def create_sender(self, req) -> KVSender:
         return FakeSender()
 
-    def refuse(self, room: int, reason: str) -> None:
+    def refuse(self, room: int, reason: str, code: int | None = None) -> None:
         pass
 
     def raise_if_dead(self) -> None:

@@ -129,7 +129,8 @@ class TransferBackend:
         self._links: dict[str, _Link] = {}  # by decode address
         self._link_of: dict[int, _Link] = {}  # room -> the link its sender is bound to
         self._registrant: dict[int, bytes] = {}  # room -> who registered it (endpoint)
-        self._refused: dict[int, tuple[str, float]] = {}  # room -> (why, until), by expiry
+        # room -> (why, its status, until), by expiry
+        self._refused: dict[int, tuple[str, int | None, float]] = {}
         self._closed = False
         self.death: str | None = None  # why the thread failed
         self._ctx = zmq.Context()
@@ -169,12 +170,14 @@ class TransferBackend:
             self.commands.put(TransferCmd("start", sender))
         return sender
 
-    def refuse(self, room: int, reason: str) -> None:
+    def refuse(self, room: int, reason: str, code: int | None = None) -> None:
         """The request for `room` was refused before it got a sender (overloaded, bad
         input, aborted on arrival): a decode server that registered the room, or registers
-        it later, is refused at once instead of waiting for KV that never comes."""
+        it later, is refused at once instead of waiting for KV that never comes. `code`,
+        the status the server replied with, goes with the refusal."""
         if self.endpoint is not None and not self._closed:
-            self.commands.put(TransferCmd("refuse", None, room=room, reason=reason))
+            cmd = TransferCmd("refuse", None, room=room, reason=reason, code=code)
+            self.commands.put(cmd)
 
     def raise_if_dead(self) -> None:
         """TransferDied once the thread has failed: no request could send its KV again."""
@@ -281,7 +284,7 @@ class TransferBackend:
             if cmd is None:
                 return False
             if cmd.kind == "refuse":
-                self._refuse(cmd.room, cmd.reason)
+                self._refuse(cmd.room, cmd.reason, cmd.code)
             elif cmd.kind == "start":
                 self._start(cmd.sender)
             elif cmd.kind == "send":
@@ -323,7 +326,7 @@ class TransferBackend:
                 self._refuse(s.room, s.failure_reason())
         s.let_go()
 
-    def _refuse(self, room: int, reason: str) -> None:
+    def _refuse(self, room: int, reason: str, code: int | None = None) -> None:
         """Refuse `room` to its registrant: the one waiting now, or the next one within the
         registrations' expiry."""
         if room in self._live:  # a live request of that room: not this refusal's
@@ -331,10 +334,10 @@ class TransferBackend:
         why = f"the prefill refused the request: {wire.brief(reason)}"
         reg = self.endpoint.take(room)
         if reg is not None:
-            self.endpoint.refuse(reg.ident, room, why)
+            self.endpoint.refuse(reg.ident, room, why, code)
             return
         self._refused.pop(room, None)
-        self._refused[room] = (why, time.monotonic() + self.endpoint.expiry_s)
+        self._refused[room] = (why, code, time.monotonic() + self.endpoint.expiry_s)
         while len(self._refused) > self.endpoint.max_waiting:
             del self._refused[next(iter(self._refused))]
 
@@ -350,8 +353,9 @@ class TransferBackend:
         s = self._live.get(msg.room)
         link = self._link_of.get(msg.room)
         refused = self._refused.pop(msg.room, None)
+        code = None
         if s is None and refused is not None:
-            why = refused[0]
+            why, code, _ = refused
         elif s is None:
             why = self.endpoint.hold(ident, msg)
         elif link is None:
@@ -363,7 +367,7 @@ class TransferBackend:
         if why is None:
             self.endpoint.accept(ident, msg.room)
         else:
-            self.endpoint.refuse(ident, msg.room, why)
+            self.endpoint.refuse(ident, msg.room, why, code)
 
     def _withdraw(self, ident: bytes, room: int) -> None:
         """The registrant gave the room up (its request ended on the decode side)."""
@@ -491,7 +495,7 @@ class TransferBackend:
     def _tick(self, now: float) -> None:
         if self.endpoint is not None:
             self.endpoint.expire(now)
-            while self._refused and next(iter(self._refused.values()))[1] < now:
+            while self._refused and next(iter(self._refused.values()))[2] < now:
                 del self._refused[next(iter(self._refused))]
         for link in list(self._links.values()):
             self._tend(link, now)

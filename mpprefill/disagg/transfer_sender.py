@@ -37,6 +37,7 @@ class TransferCmd:
     swa_dst: torch.Tensor | None = None  # ... and in the decode pool
     room: int | None = None  # "refuse": the room of the refused request
     reason: str = ""  # "refuse": why it was refused
+    code: int | None = None  # "refuse": the status the server replied with (protocol.Code)
 
 
 class CommandQueue:

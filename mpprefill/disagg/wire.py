@@ -18,7 +18,8 @@ carries a "type"; the router reply has the shape of the server's reply to its cl
   decode -> anyone        error             error, room (a frame it could not use)
   decode -> prefill's     register_room     room, address (the decode's receiver socket)
     bootstrap endpoint
-  endpoint -> decode      room_reply        room, ok, error
+  endpoint -> decode      room_reply        room, ok, error, code (the HTTP status the
+                                            prefill gave the request it refused, if any)
   decode -> endpoint      abort             room (withdraws its registration)
 
 NOTE: dst_pages lists every receive page of the room, prompt order. The first
@@ -209,6 +210,7 @@ class RoomReply:
     room: int
     ok: bool
     error: str | None = None
+    code: int | None = None  # a refused request's status at the prefill (protocol.Code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +347,10 @@ _S = {
     "ack": (Ack, {"room": _int, "ok": _bool, "error": _optional(_str), "instance": _str}),
     "abort": (Abort, {"room": _int}),
     "register_room": (RegisterRoom, {"room": _int, "address": _address}),
-    "room_reply": (RoomReply, {"room": _int, "ok": _bool, "error": _optional(_str)}),
+    "room_reply": (
+        RoomReply,
+        {"room": _int, "ok": _bool, "error": _optional(_str), "code": _optional(_int)},
+    ),
     "ping": (Ping, {}),
     "pong": (Pong, {}),
     "error": (ErrorReply, {"error": _str, "room": _optional(_int)}),

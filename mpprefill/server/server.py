@@ -186,7 +186,7 @@ class PrefillServer:
         """An error reply for a request never made live; its room's decode side hears of
         it through the bootstrap endpoint."""
         if msg.bootstrap_room is not None:
-            self.transfer.refuse(msg.bootstrap_room, why)
+            self.transfer.refuse(msg.bootstrap_room, why, code)
         self._send(ident, protocol.error_reply(msg.rid, why, code))
 
     def _queued(self) -> int:
@@ -197,12 +197,14 @@ class PrefillServer:
         ident = self._owner.pop(req.rid, None)
         aborted = req.rid in self._aborted
         self._aborted.discard(req.rid)
+        code = None
+        if req.error:
+            code = Code.ABORTED if aborted else self._error_code(req)
         if req.error and req.sender is None and req.bootstrap_room is not None:
-            self.transfer.refuse(req.bootstrap_room, req.error)  # refused, or aborted early
+            self.transfer.refuse(req.bootstrap_room, req.error, code)  # refused, or aborted early
         if ident is None:
             return
         if req.error:
-            code = Code.ABORTED if aborted else self._error_code(req)
             self._send(ident, protocol.error_reply(req.rid, req.error, code))
         else:
             self._send(

@@ -14,6 +14,7 @@ from mpprefill.disagg.backends import make_transfer
 from mpprefill.disagg.decode.args import DecodeArgs
 from mpprefill.disagg.decode.receiver import DecodeReceiver
 from mpprefill.disagg.sender import KVPoll
+from mpprefill.server.protocol import Code
 from tests.disagg.helpers import PAGE, FakeReq, Router, bootstrap, send_chunks, serving, wait_state
 
 pytestmark = pytest.mark.timeout(60)
@@ -83,6 +84,7 @@ def test_each_room_goes_to_the_decode_that_registered_it(pool, receivers, backen
                 "room": rooms[0],
                 "ok": True,
                 "error": None,
+                "code": None,
             }
             s0 = backend.create_sender(FakeReq("q0", rooms[0], len(prompts[0].ids)))
             s1 = backend.create_sender(FakeReq("q1", rooms[1], len(prompts[1].ids)))
@@ -173,28 +175,32 @@ def test_registrations_expire(pool, receivers, room):
 
 def test_a_request_refused_before_its_sender_refuses_its_room(pool, receivers, room):
     """The prefill refused the request (overloaded, bad input) or it failed before any
-    decode registered its room: the registrant hears so at once, before or after."""
+    decode registered its room: the registrant hears so at once, before or after, with the
+    status the prefill replied with when it refused the request."""
     b = make_transfer("shm", pool[0], PAGE, None, bootstrap_port=0, bootstrap_timeout=10.0)
     reg = Registrant(b.bootstrap_port)
     address = receivers[0].address
     try:
         before, after, aborted, live = room(), room(), room(), room()
         assert reg.register(before, address)["ok"] is True  # waits for its request
-        b.refuse(before, "overloaded")
+        b.refuse(before, "overloaded", Code.OVERLOADED)
         assert reg.recv() == {
             "type": "room_reply",
             "room": before,
             "ok": False,
             "error": "the prefill refused the request: overloaded",
+            "code": 429,
         }
-        b.refuse(after, "token id 99999 outside the vocabulary")
+        b.refuse(after, "token id 99999 outside the vocabulary", Code.BAD_REQUEST)
         reply = reg.register(after, address)
         assert reply["ok"] is False and "outside the vocabulary" in reply["error"]
+        assert reply["code"] == 400
         s = b.create_sender(FakeReq("gone", aborted, 20))
         s.abort("aborted by client")  # while no decode had registered it
         assert wait_settled(s)
         reply = reg.register(aborted, address)
         assert reply["ok"] is False and "aborted by client" in reply["error"]
+        assert reply["code"] is None  # a sender's failure: no status of the prefill's
         kept = b.create_sender(FakeReq("kept", live, 20))
         b.refuse(live, "duplicate rid while the first is live")  # another request's room
         assert reg.register(live, address)["ok"] is True
@@ -216,6 +222,12 @@ def test_bootstrap_endpoint_messages_round_trip():
     assert wire.decode(wire.encode(msg)) == msg
     reply = wire.RoomReply(5, False, "why")
     assert wire.decode(wire.encode(reply)) == reply
+    overloaded = wire.RoomReply(5, False, "the prefill refused the request: overloaded", 429)
+    assert wire.decode(wire.encode(overloaded)).code == 429
+    old = {"type": "room_reply", "room": 5, "ok": False, "error": "why"}  # a peer without codes
+    assert wire.decode(json.dumps(old).encode()) == wire.RoomReply(5, False, "why", None)
+    with pytest.raises(wire.WireError, match="code"):
+        wire.decode(json.dumps({**old, "code": "429"}).encode())
     assert wire.check_address("[::1]:30200") == "[::1]:30200"
     with pytest.raises(ValueError, match="host:port"):
         wire.check_address("127.0.0.1")
