@@ -12,6 +12,8 @@ import pytest
 import zmq
 
 from mpprefill.bench.procs import children, free_port
+from mpprefill.disagg import wire
+from mpprefill.http.errors import status_of
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, load_model
 from mpprefill.server import protocol
@@ -166,9 +168,36 @@ def test_a_request_the_prefill_refuses_fails_on_the_decode_at_once(cluster):
     refused = replies["refused"]
     assert refused["status"] == "error", refused
     assert "refused the request: duplicate rid" in refused["error"], refused
+    assert refused["code"] == protocol.Code.BAD_REQUEST  # the prefill's status for it
     assert replies["kept"]["status"] == "done" and len(replies["kept"]["output_ids"]) == 2
     prefill = sorted(cluster.p.recv(60)["status"] for _ in range(2))
     assert prefill == ["done", "error"]  # the first request, and the refusal
+
+
+def test_a_room_refused_as_overloaded_fails_with_the_prefills_status(cluster):
+    """A stand-in for the prefill's endpoint refuses the room as the prefill refuses an
+    overloaded request: the decode's error reply carries 429, which its HTTP front answers
+    with, not 500."""
+    endpoint = zmq.Context.instance().socket(zmq.ROUTER)
+    endpoint.setsockopt(zmq.LINGER, 0)
+    port = endpoint.bind_to_random_port(f"tcp://{HOST}")
+    c = cluster.d[0]
+    try:
+        params = {"temperature": 0.0, "max_new_tokens": 2}
+        c.send_raw(protocol.generate_frame("busy", prompt(2), params, 610, HOST, port))
+        assert endpoint.poll(30_000)
+        ident, frame = endpoint.recv_multipart()
+        registration = wire.decode(frame)
+        assert isinstance(registration, wire.RegisterRoom) and registration.room == 610
+        why = "the prefill refused the request: overloaded"
+        endpoint.send_multipart([ident, wire.encode(wire.RoomReply(610, False, why, 429))])
+        reply = c.recv(30)
+    finally:
+        endpoint.close()
+    assert reply["rid"] == "busy" and reply["status"] == "error", reply
+    assert reply["code"] == protocol.Code.OVERLOADED and why in reply["error"], reply
+    assert status_of(reply["error"], reply["code"]) == 429
+    assert c.stats()["requests"] == 0
 
 
 def test_decode_requests_are_checked_and_aborted(cluster):

@@ -53,6 +53,7 @@ class Request:
     endpoint: str | None  # the prefill's bootstrap endpoint, host:port
     output_ids: list[int] = field(default_factory=list)
     generating: bool = False  # its KV came; the generator has it
+    code: int | None = None  # its error reply's status: the prefill's, when it refused the room
 
 
 def eos_token_ids(model_path: str | None) -> tuple[int, ...]:
@@ -268,7 +269,8 @@ class DecodeServer:
         if req is None or req.endpoint != endpoint or reply.ok:
             return
         why = f"bootstrap refused by the prefill at {endpoint}: {reply.error}"
-        self.rx.end_request(reply.room, why)
+        if self.rx.end_request(reply.room, why):  # its reply comes from the receiver's `failed`
+            req.code = reply.code
 
     # ---- rooms that ended, and generation -------------------------------------------------
 
@@ -332,7 +334,7 @@ class DecodeServer:
         if not req.generating and req.endpoint is not None:
             self.links.withdraw(req.endpoint, req.msg.bootstrap_room)
         self._waited(req)
-        self._send(req.owner, protocol.error_reply(rid, error))
+        self._send(req.owner, protocol.error_reply(rid, error, req.code))
 
     def _waited(self, req: Request) -> None:
         """The request's room waits no more (its KV came, or it ended)."""
