@@ -5,7 +5,9 @@ sends `register_room` (room, its receiver's address) to that prefill's endpoint,
 on `--disaggregation-bootstrap-port`. The transfer backend's thread owns the endpoint: it
 reads it with the decode links (`read`), binds a live sender of the room to the
 registrant's address, or holds the registration here until the room's request arrives
-(`hold`, `take`). Registrations are bounded like every other input from a peer: frames of
+(`hold`, `take`). A room whose request the prefill refused is refused to its registrant,
+now or to the next one within `expiry_s` (`refuse_room`, `take_refusal`). Registrations
+and remembered refusals are bounded like every other input from a peer: frames of
 at most MAX_REGISTRATION_BYTES, at most `max_waiting` of them waiting, each for at most
 `expiry_s`; a room already registered by another decode is refused.
 """
@@ -46,6 +48,8 @@ class BootstrapEndpoint:
         self.expiry_s = expiry_s
         self.max_waiting = max_waiting
         self.waiting: dict[int, Registration] = {}  # by room, in order of expiry
+        # rooms refused before their registrant came: room -> (why, status, until), by expiry
+        self.refused_rooms: dict[int, tuple[str, int | None, float]] = {}
         self.refused = 0
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -114,10 +118,29 @@ class BootstrapEndpoint:
         del self.waiting[room]
         return True
 
+    def refuse_room(self, room: int, why: str, code: int | None) -> None:
+        """The prefill refused the room's request (with status `code`): refuse the room to
+        its waiting registrant, or to the next one within `expiry_s`."""
+        reg = self.take(room)
+        if reg is not None:
+            self.refuse(reg.ident, room, why, code)
+            return
+        self.refused_rooms.pop(room, None)
+        self.refused_rooms[room] = (why, code, time.monotonic() + self.expiry_s)
+        while len(self.refused_rooms) > self.max_waiting:
+            del self.refused_rooms[next(iter(self.refused_rooms))]
+
+    def take_refusal(self, room: int) -> tuple[str, int | None] | None:
+        """Why the room was refused and with what status, if it was; forgotten then."""
+        refused = self.refused_rooms.pop(room, None)
+        return None if refused is None else refused[:2]
+
     def expire(self, now: float) -> None:
         while self.waiting and (first := next(iter(self.waiting.values()))).expires < now:
             del self.waiting[first.room]
             logger.info("registration of room %d expired: no request for it", first.room)
+        while self.refused_rooms and next(iter(self.refused_rooms.values()))[2] < now:
+            del self.refused_rooms[next(iter(self.refused_rooms))]
 
     def accept(self, ident: bytes, room: int) -> None:
         self._send(ident, wire.RoomReply(room, True))

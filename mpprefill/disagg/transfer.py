@@ -129,8 +129,6 @@ class TransferBackend:
         self._links: dict[str, _Link] = {}  # by decode address
         self._link_of: dict[int, _Link] = {}  # room -> the link its sender is bound to
         self._registrant: dict[int, bytes] = {}  # room -> who registered it (endpoint)
-        # room -> (why, its status, until), by expiry
-        self._refused: dict[int, tuple[str, int | None, float]] = {}
         self._closed = False
         self.death: str | None = None  # why the thread failed
         self._ctx = zmq.Context()
@@ -331,15 +329,9 @@ class TransferBackend:
         registrations' expiry."""
         if room in self._live:  # a live request of that room: not this refusal's
             return
-        why = f"the prefill refused the request: {wire.brief(reason)}"
-        reg = self.endpoint.take(room)
-        if reg is not None:
-            self.endpoint.refuse(reg.ident, room, why, code)
-            return
-        self._refused.pop(room, None)
-        self._refused[room] = (why, code, time.monotonic() + self.endpoint.expiry_s)
-        while len(self._refused) > self.endpoint.max_waiting:
-            del self._refused[next(iter(self._refused))]
+        self.endpoint.refuse_room(
+            room, f"the prefill refused the request: {wire.brief(reason)}", code
+        )
 
     def _read_endpoint(self) -> None:
         """Registrations and withdrawals from decode servers (bootstrap.py)."""
@@ -352,10 +344,10 @@ class TransferBackend:
     def _register(self, ident: bytes, msg: wire.RegisterRoom) -> None:
         s = self._live.get(msg.room)
         link = self._link_of.get(msg.room)
-        refused = self._refused.pop(msg.room, None)
+        refused = self.endpoint.take_refusal(msg.room)
         code = None
         if s is None and refused is not None:
-            why, code, _ = refused
+            why, code = refused
         elif s is None:
             why = self.endpoint.hold(ident, msg)
         elif link is None:
@@ -495,8 +487,6 @@ class TransferBackend:
     def _tick(self, now: float) -> None:
         if self.endpoint is not None:
             self.endpoint.expire(now)
-            while self._refused and next(iter(self._refused.values()))[2] < now:
-                del self._refused[next(iter(self._refused))]
         for link in list(self._links.values()):
             self._tend(link, now)
         self._expire(now)

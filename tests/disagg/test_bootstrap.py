@@ -11,6 +11,7 @@ import zmq
 
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_transfer
+from mpprefill.disagg.bootstrap import BootstrapEndpoint
 from mpprefill.disagg.decode.args import DecodeArgs
 from mpprefill.disagg.decode.receiver import DecodeReceiver
 from mpprefill.disagg.sender import KVPoll
@@ -231,3 +232,21 @@ def test_bootstrap_endpoint_messages_round_trip():
     assert wire.check_address("[::1]:30200") == "[::1]:30200"
     with pytest.raises(ValueError, match="host:port"):
         wire.check_address("127.0.0.1")
+
+
+def test_remembered_refusals_expire_and_are_capped():
+    """A room refused before anyone registered it is remembered for `expiry_s`, at most
+    `max_waiting` of them (the oldest forgotten first), and told once."""
+    ctx = zmq.Context()
+    ep = BootstrapEndpoint(ctx, "127.0.0.1", 0, expiry_s=30.0, max_waiting=2)
+    try:
+        for room in (1, 2, 3):
+            ep.refuse_room(room, f"why {room}", Code.OVERLOADED)
+        assert ep.take_refusal(1) is None  # the cap dropped the oldest
+        assert ep.take_refusal(2) == ("why 2", Code.OVERLOADED)
+        assert ep.take_refusal(2) is None  # told once
+        ep.expire(time.monotonic() + 31.0)
+        assert ep.take_refusal(3) is None  # past its expiry
+    finally:
+        ep.close()
+        ctx.term()
