@@ -36,12 +36,16 @@ class Segment:
         self.name, self.size, self.owner, self._mm = name, size, owner, mm
 
     @classmethod
-    def create(cls, prefix: str, size: int) -> Segment:
+    def create(cls, prefix: str, size: int, reserve: bool = False) -> Segment:
+        """`reserve`: allocate every page now, so that a shared-memory file system too
+        small for it fails here, with ENOSPC, rather than with SIGBUS at a first touch."""
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
         name = f"/{prefix}.{os.getpid()}.{pid_namespace()}.{next(_counter)}"
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
         try:
+            if reserve:
+                _reserve(shm.fd, size, name)
             mm = mmap.mmap(shm.fd, size)
         except BaseException:
             shm.close_fd()
@@ -74,6 +78,18 @@ class Segment:
         if not self.owner:
             raise PermissionError(f"only the creator unlinks segment {self.name}")
         unlink_segment(self.name)
+
+
+def _reserve(fd: int, size: int, name: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        free = os.statvfs(SHM_DIR)
+        raise OSError(
+            e.errno,
+            f"cannot reserve {size:,} bytes of shared memory for {name} "
+            f"({free.f_bavail * free.f_frsize:,} free in {SHM_DIR}): {e.strerror}",
+        ) from None
 
 
 def unlink_segment(name: str) -> bool:

@@ -72,8 +72,9 @@ class ShmPool:
     def __init__(self, layout: PoolLayout, dtype: torch.dtype) -> None:
         ipc.sweep_stale(DECODE_SHM_TAG)
         self.layout = layout
+        # populated: the prefill's transfer thread would otherwise allocate its pages
         self.shared = ipc.SharedTensor.create(
-            kv_shape(layout), dtype, ipc.new_prefix(DECODE_SHM_TAG)
+            kv_shape(layout), dtype, ipc.new_prefix(DECODE_SHM_TAG), populate=True
         )
         self.kv = KVCache(*kv_shape(layout)[1:], dtype=dtype, buffer=self.shared.tensor)
         logger.info("decode pool: %s (%d pages)", self.shared.handle.name, layout.num_pages)

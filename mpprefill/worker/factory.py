@@ -5,7 +5,7 @@ from __future__ import annotations
 from mpprefill.config import ServerArgs
 from mpprefill.model import ModelConfig
 from mpprefill.worker.api import Worker
-from mpprefill.worker.build import build_runner
+from mpprefill.worker.build import build_runner, scheduler_threads
 from mpprefill.worker.local import InlineWorker, ThreadWorker
 from mpprefill.worker.process import ProcessWorker
 from mpprefill.worker.runner import set_torch_threads
@@ -13,6 +13,7 @@ from mpprefill.worker.runner import set_torch_threads
 
 def make_worker(args: ServerArgs, mode: str) -> tuple[Worker, ModelConfig]:
     if mode in ("proc", "proc-ahead"):
+        set_torch_threads(scheduler_threads(args))
         worker = ProcessWorker(args)
         return worker, worker.model_config
     set_torch_threads(args.worker_threads)

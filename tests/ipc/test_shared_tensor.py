@@ -126,3 +126,33 @@ def test_shm_event_across_processes(ctx, prefix, procs):
         with pytest.raises(ipc.EventTimeout):
             second.wait(1, timeout=0.05)
         p.join(30)
+
+
+def _faults_writing_each_page(t: torch.Tensor) -> int:
+    """Minor page faults this thread takes writing one byte of every 4 KiB page of `t`."""
+    import resource
+
+    flat = t.view(torch.uint8).view(-1)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    flat[::4096].fill_(1)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+@pytest.mark.parametrize("populate", [False, True])
+def test_a_populated_tensor_takes_no_page_faults_on_first_write(prefix, populate):
+    pages = 8192  # 32 MiB
+    with ipc.SharedTensor.create((pages * 4096,), torch.uint8, prefix, populate=populate) as st:
+        assert int(st.tensor[:: 1 << 20].sum()) == 0  # zeroed either way
+        faults = _faults_writing_each_page(st.tensor)
+    if populate:
+        assert faults < pages // 100
+    else:  # pages come at first touch: the cost `populate` moves to the creation
+        assert faults > pages // 2
+
+
+def test_a_segment_the_shared_memory_fs_cannot_hold_fails_at_creation(prefix):
+    fs = os.statvfs("/dev/shm")
+    too_big = 2 * fs.f_blocks * fs.f_frsize  # over the whole file system: refused at once
+    with pytest.raises(OSError, match="cannot reserve .* bytes of shared memory"):
+        ipc.SharedTensor.create((too_big,), torch.uint8, prefix, populate=True)
+    assert ipc.list_segments(prefix) == []
