@@ -79,6 +79,8 @@ def test_long_prompts_finish_once_and_free_everything():
         ([], "empty"),
         ([1, 2, 4096], "outside the vocabulary"),
         ([1, -3], "outside the vocabulary"),
+        ([1, 2.0], "token id 2.0 outside"),
+        ([1, "x", 5000], "token id 'x' outside"),
         ([1] * 9000, "context length"),
     ],
 )
