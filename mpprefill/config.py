@@ -79,7 +79,11 @@ class ServerArgs:
         " scheduler fills on its own copy stream",
         choices=STAGINGS,
     )
-    worker_threads: int = _f(0, "torch threads for the forward (0: all cores)")
+    worker_threads: int = _f(
+        0,
+        "torch threads for the forward (0: all cores); with a forward process the scheduler"
+        " process gets the cores left, at least one",
+    )
     trace_dir: str | None = _f(None, "write Chrome trace JSON here")
     check_invariants: bool = _f(False, "assert pool/cache invariants after every drain")
     delay_sampling: bool = _f(False, "sample after the forward, as a separate worker step")
