@@ -19,6 +19,13 @@ def bounds_ms(run: dict) -> dict[str, float]:
     return {"process": max(device, issue, sched), "thread": max(device, issue + sched)}
 
 
+def of_bound(run: dict) -> float:
+    """A proc-ahead run's uncached ITPS over its bound: its uncached tokens per batch at
+    max(device, issue, t_sched) per batch."""
+    per_batch_s = bounds_ms(run)["process"] / 1e3
+    return run["uncached_itps"] / (run["uncached_tokens"] / run["num_batches"] / per_batch_s)
+
+
 def is_launch_bound(run: dict) -> bool:
     b = bounds_ms(run)
     return run["t_issue_ms"] + run["t_sched_ms"] >= LAUNCH_BOUND_FACTOR * b["process"]

@@ -288,9 +288,10 @@ def _sweep_point(args, base: ServerArgs, label: str, point: SweepPoint, model_di
 def format_sweep(results: list[dict]) -> str:
     lines = [
         "",
-        "per point and mode (ms per batch; busy: device busy fraction; gap: median hand-off gap):",
+        "per point and mode (ms per batch; busy: device busy fraction; gap: median hand-off gap;"
+        " of bnd: proc-ahead's uncached ITPS over its bound, max(device, issue, t_sched) a batch):",
         f"{'point':>20} {'mode':>12} {'uncached ITPS':>13} {'t_issue':>8} {'t_device':>8} "
-        f"{'t_sched':>8} {'busy':>5} {'gap':>6} {'pa/this':>7}",
+        f"{'t_sched':>8} {'busy':>5} {'gap':>6} {'of bnd':>6} {'pa/this':>7}",
     ]
     for res in results:
         by = {r["mode"]: r for r in res["runs"]}
@@ -299,9 +300,17 @@ def format_sweep(results: list[dict]) -> str:
             lines.append(
                 f"{res['config']['label']:>20} {r['mode']:>12} {r['uncached_itps']:13,.0f} "
                 f"{r['t_issue_ms']:8.2f} {r['t_device_ms']:8.2f} {r['t_sched_ms']:8.2f} "
-                f"{r['device_busy_frac']:5.2f} {_gap(r):>6} {_rel(pa, r):>7}"
+                f"{r['device_busy_frac']:5.2f} {_gap(r):>6} {_of_bound(r):>6} {_rel(pa, r):>7}"
             )
     return "\n".join(lines)
+
+
+def _of_bound(run: dict) -> str:
+    from mpprefill.bench.regime import of_bound
+
+    if run["mode"] != "proc-ahead" or not run["num_batches"] or not run["uncached_tokens"]:
+        return "-"
+    return f"{of_bound(run):.2f}"
 
 
 def _rel(run: dict | None, other: dict | None) -> str:

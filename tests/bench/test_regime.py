@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from mpprefill.bench.regime import bounds_ms, grid, is_launch_bound, plot_regime_map, ratio
+from mpprefill.bench.regime import (
+    bounds_ms,
+    grid,
+    is_launch_bound,
+    of_bound,
+    plot_regime_map,
+    ratio,
+)
 
 
 def _run(mode: str, itps: float, device: float, issue: float, sched: float) -> dict:
@@ -34,6 +41,14 @@ def test_bounds_overlap_in_a_process_and_add_up_on_a_thread():
     assert is_launch_bound(run)  # 15 >= 1.4 x 10
     assert not is_launch_bound(_run("proc-ahead", 1.0, device=12.0, issue=10.0, sched=5.0))
     assert not is_launch_bound(_run("proc-ahead", 1.0, device=1.0, issue=10.0, sched=3.0))
+
+
+def test_proc_ahead_is_measured_against_its_bound():
+    # 100 batches of 500 uncached tokens: at max(4, 10, 5) = 10 ms a batch, 50,000 tokens/s
+    run = _run("proc-ahead", 45_000.0, device=4.0, issue=10.0, sched=5.0)
+    run.update(uncached_tokens=50_000, num_batches=100)
+    assert of_bound(run) == pytest.approx(0.9)
+    assert of_bound({**run, "t_sched_ms": 20.0}) == pytest.approx(1.8)  # the scheduler bounds it
 
 
 def test_grid_and_heat_map(tmp_path):
