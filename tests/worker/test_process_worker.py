@@ -80,3 +80,19 @@ def test_worker_sigkill_fails_every_request_fast():
         failed = [r for r in finished if r.error]
         assert failed and all("died" in r.error for r in failed)
         assert _segments_of(eng) == []
+
+
+def _rss_shmem_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(ln for ln in f if ln.startswith("RssShmem:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_the_forward_process_maps_its_whole_kv_pool_at_start():
+    """Its forwards then take no page faults on the pool (an in-process pool is written
+    whole by torch.zeros); nothing has been computed yet."""
+    with PrefillEngine(forward_mode="proc", max_total_tokens=1 << 16) as eng:
+        pool = eng.worker.kv_cache.storage
+        nbytes = pool.numel() * pool.element_size()
+        assert nbytes >= 32 << 20  # large enough to tell a mapped pool from a lazy one
+        assert _rss_shmem_bytes(eng.worker.pid) >= nbytes
