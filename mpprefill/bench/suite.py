@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 
+from mpprefill.bench.regime import of_bound, plot_regime_map
 from mpprefill.bench.replay import forward_bound, load_shapes
 from mpprefill.bench.runner import BenchConfig, run_mode
 from mpprefill.bench.workload import Workload, solve_for_hit_rate
@@ -244,8 +245,6 @@ def run_sweep(args: argparse.Namespace) -> dict:
     results = [run_bench(ns, server, label=label) for label, ns, server in points]
     print(format_sweep(results))
     if getattr(args, "heatmap", None) and base.device == "emulated":
-        from mpprefill.bench.regime import plot_regime_map
-
         plot_regime_map(results, args.heatmap)
         print(f"regime map: {args.heatmap}", file=sys.stderr)
     return {"points": results}
@@ -306,8 +305,6 @@ def format_sweep(results: list[dict]) -> str:
 
 
 def _of_bound(run: dict) -> str:
-    from mpprefill.bench.regime import of_bound
-
     if run["mode"] != "proc-ahead" or not run["num_batches"] or not run["uncached_tokens"]:
         return "-"
     return f"{of_bound(run):.2f}"
