@@ -78,6 +78,15 @@ def emulated_device(args: ServerArgs):
     return EmulatedDevice.of(args.emulate_model, args.emulate_gpu, args.tp_size)
 
 
+def emulated_host_link(args: ServerArgs):
+    """The host link the host KV tier's copies take on --device emulated, else None."""
+    if args.device != "emulated":
+        return None
+    from mpprefill.worker.emulated import EmulatedHostLink
+
+    return EmulatedHostLink.of(args.emulate_model, args.emulate_gpu, args.tp_size)
+
+
 def build_runner(
     args: ServerArgs,
     device: str,

@@ -41,6 +41,7 @@ from mpprefill.worker.roofline import (
     DeviceClock,
     ModelShape,
     head_parts_s,
+    host_copy_time_s,
     layer_parts_s,
     resolve_shape,
 )
@@ -141,6 +142,30 @@ class EmulatedDevice:
         (less than end - start where the host issued layers slower than they ran) and the
         part of them in collectives (0 at `tp_size` 1)."""
         return self._last
+
+
+class EmulatedHostLink:
+    """The emulated GPU's host link, for the host KV tier's copies: each copy of n slots
+    of a pool with L layers lasts the roofline's time to move the real model's K and V of
+    n tokens in L layers over PCIe (`roofline.host_copy_time_s`), on a clock of its own
+    (the copy engines run beside the compute stream). `copy` returns once it is done."""
+
+    def __init__(self, shape: ModelShape, gpu: str, tp_size: int = 1, clock=None):
+        shape.shard(tp_size)  # raises unless the shape splits over the group
+        self.shape = shape
+        self.gpu = GPUS[gpu]
+        self.tp_size = tp_size
+        self.clock = clock or DeviceClock()
+        self.busy_s = 0.0  # link seconds charged so far
+
+    @classmethod
+    def of(cls, emulate_model: str, gpu: str, tp_size: int = 1) -> EmulatedHostLink:
+        return cls(resolve_shape(emulate_model), gpu, tp_size)
+
+    def copy(self, num_tokens: int, num_layers: int) -> None:
+        took = host_copy_time_s(self.shape, self.gpu, num_tokens, num_layers, self.tp_size)
+        self.busy_s += took
+        self.clock.wait_until(self.clock.issue(took))
 
 
 class EmulatedStream(HostStream):

@@ -61,6 +61,12 @@ LINK_EFFICIENCY = 0.8
 COLLECTIVE_LATENCY_S = 10e-6
 # All-reduces per layer: after o_proj and after down_proj.
 ALLREDUCES_PER_LAYER = 2
+# PCIe Gen5 x16, bytes/s per direction: the host link of an H100, H200 or B200 board.
+HOST_LINK_BANDWIDTH = 64e9
+# Pinned-memory copies over it reach about 50 GB/s.
+HOST_LINK_EFFICIENCY = 0.8
+# A host-tier copy is a gather or scatter kernel on the device and one DMA transfer.
+KERNELS_PER_HOST_COPY = 2
 CONFIG_NAME = "config.json"
 
 
@@ -77,6 +83,8 @@ class GpuSpec:
     link_bandwidth: float = 450e9  # NVLink bytes/s per direction per GPU
     link_efficiency: float = LINK_EFFICIENCY
     collective_latency_s: float = COLLECTIVE_LATENCY_S
+    host_link_bandwidth: float = HOST_LINK_BANDWIDTH  # host <-> GPU bytes/s per direction
+    host_link_efficiency: float = HOST_LINK_EFFICIENCY
 
     def __post_init__(self):
         if self.flops <= 0 or self.bandwidth <= 0 or self.kernel_floor_s < 0:
@@ -85,6 +93,8 @@ class GpuSpec:
             raise ValueError(f"{self.name}: link bandwidth must be positive, latency not negative")
         if not 0 < self.link_efficiency <= 1:
             raise ValueError(f"{self.name}: link efficiency must lie in (0, 1]")
+        if self.host_link_bandwidth <= 0 or not 0 < self.host_link_efficiency <= 1:
+            raise ValueError(f"{self.name}: host link bandwidth positive, efficiency in (0, 1]")
         effs = (self.gemm_efficiency, self.attention_efficiency, self.memory_efficiency)
         if not all(0 < e <= 1 for e in effs):
             raise ValueError(f"{self.name}: efficiencies must lie in (0, 1]")
@@ -105,6 +115,11 @@ class GpuSpec:
     def link_rate(self) -> float:
         """Bytes/s a collective achieves through one GPU's link."""
         return self.link_bandwidth * self.link_efficiency
+
+    @property
+    def host_link_rate(self) -> float:
+        """Bytes/s a pinned copy between host and GPU achieves, either direction."""
+        return self.host_link_bandwidth * self.host_link_efficiency
 
 
 # NVLink 4 (H100, H200): 900 GB/s both ways per GPU; NVLink 5 (B200): 1.8 TB/s.
@@ -324,6 +339,20 @@ def allgather_time_s(gpu: GpuSpec, nbytes: float, tp: int) -> float:
     if tp == 1:
         return 0.0
     return (tp - 1) / tp * nbytes / gpu.link_rate + gpu.collective_latency_s
+
+
+def host_copy_time_s(
+    shape: ModelShape, gpu: GpuSpec, num_tokens: int, num_layers: int, tp: int = 1
+) -> float:
+    """Seconds to move the K and V of `num_tokens` tokens in `num_layers` layers between
+    host memory and one of `tp` GPUs (each holds its KV heads' shard and copies it over
+    its own link, so the group takes one rank's time)."""
+    if num_tokens < 0 or num_layers < 0:
+        raise ValueError(f"negative copy: {num_tokens} tokens, {num_layers} layers")
+    if num_tokens == 0 or num_layers == 0:
+        return 0.0
+    nbytes = num_tokens * num_layers * shape.shard(tp).kv_bytes_per_token
+    return nbytes / gpu.host_link_rate + KERNELS_PER_HOST_COPY * gpu.kernel_floor_s
 
 
 def _check_batch(extend_lens: Sequence[int], prefix_lens: Sequence[int]) -> None:

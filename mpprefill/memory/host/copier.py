@@ -12,6 +12,10 @@ is read by nothing the scheduler issued before it.
     load           gather + scatter (host)  gather on the host, H2D + scatter on the
                                             staging stream, event
 
+On the emulated accelerator the pools are host memory at a tiny width; each copy then
+also waits out the time the real model's KV would take over the GPU's host link
+(`HostLink`), so loads and write-backs last what they would on the GPU.
+
 NOTE: torch's copy kernels release the GIL, so on the CPU the thread's copies run beside
 the scheduler's Python; on CUDA the thread waits on the staging stream's event, never the
 scheduler.
@@ -22,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -32,18 +36,65 @@ from mpprefill.memory.host.writeback import WritebackBuffers
 
 class SlotCopy(NamedTuple):
     """Slots src_slots of pool src (a KV pool [2, L, slots, H, D]) into slots dst_slots of
-    pool dst; one of them on the host. `buffers`: staging buffers for this pool's shape."""
+    pool dst; one of them on the host. `buffers`: staging buffers for this pool's shape.
+    Where both slot lists are whole pages of `page_size`, the copy moves pages."""
 
     src: Tensor
     src_slots: Tensor
     dst: Tensor
     dst_slots: Tensor
     buffers: WritebackBuffers
+    page_size: int = 1
+
+
+def whole_pages(slots: Tensor, page_size: int) -> Tensor | None:
+    """The pages of slots when they are whole pages of page_size, each in slot order
+    (page p is slots p * page_size ... p * page_size + page_size - 1); else None."""
+    if page_size <= 1 or len(slots) % page_size:
+        return None
+    rows = slots.view(-1, page_size)
+    firsts = rows[:, :1]
+    if bool((firsts % page_size).any()):
+        return None
+    if not torch.equal(rows - firsts, torch.arange(page_size).expand_as(rows)):
+        return None
+    return firsts.view(-1) // page_size
+
+
+def _by_page(pool: Tensor, page_size: int) -> Tensor:
+    """A pool [2, L, slots, H, D] as [2 * L, pages, page_size * H * D]: one row a page."""
+    two, layers, slots, heads, dim = pool.shape
+    return pool.view(two * layers, slots // page_size, page_size * heads * dim)
+
+
+def gather(src: Tensor, slots: Tensor, out: Tensor, page_size: int) -> None:
+    """out[:, :, i] = src[:, :, slots[i]]; whole pages are moved a page at a time, which
+    on the host is many times faster than slot rows of a few hundred bytes."""
+    pages = whole_pages(slots, page_size) if src.is_contiguous() else None
+    if pages is None:
+        torch.index_select(src, 2, slots, out=out)
+        return
+    torch.index_select(_by_page(src, page_size), 1, pages, out=_by_page(out, page_size))
+
+
+def scatter(dst: Tensor, slots: Tensor, data: Tensor, page_size: int) -> None:
+    """dst[:, :, slots[i]] = data[:, :, i], a page at a time where slots are whole pages."""
+    pages = whole_pages(slots, page_size) if dst.is_contiguous() else None
+    if pages is None:
+        dst.index_copy_(2, slots, data)
+        return
+    _by_page(dst, page_size).index_copy_(1, pages, _by_page(data, page_size))
+
+
+class HostLink(Protocol):
+    def copy(self, num_tokens: int, num_layers: int) -> None:
+        """Block for as long as moving num_tokens tokens' KV of num_layers layers takes."""
 
 
 class HostCopier:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, link: HostLink | None = None) -> None:
         self.device = device
+        self.link = link
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="host-kv-copy")
         self.busy_s = 0.0  # seconds the thread spent copying (read on the scheduler thread)
@@ -68,6 +119,8 @@ class HostCopier:
         for copy in copies:
             if len(copy.src_slots):
                 self._copy(copy)
+                if self.link is not None:
+                    self.link.copy(len(copy.src_slots), copy.src.shape[1])
         took = time.perf_counter() - t0
         self.busy_s += took
         return took
@@ -82,8 +135,8 @@ class HostCopier:
         else:
             buf = c.buffers.take(n, host)
             out = c.buffers.view(buf, n)
-            torch.index_select(c.src, 2, c.src_slots, out=out)
-            c.dst.index_copy_(2, c.dst_slots, out)
+            gather(c.src, c.src_slots, out, c.page_size)
+            scatter(c.dst, c.dst_slots, out, c.page_size)
             c.buffers.give(buf)
 
     def _device_to_host(self, c: SlotCopy, n: int) -> None:
@@ -96,7 +149,7 @@ class HostCopier:
             done = torch.cuda.Event()
             done.record(self._stream)
         done.synchronize()
-        c.dst.index_copy_(2, c.dst_slots, out)
+        scatter(c.dst, c.dst_slots, out, c.page_size)
         c.buffers.give(buf)
 
     def _host_to_device(self, c: SlotCopy, n: int) -> None:
@@ -104,7 +157,7 @@ class HostCopier:
         staging stream; complete when its event is."""
         buf = c.buffers.take(n, torch.device("cpu"), pin=True)
         out = c.buffers.view(buf, n)
-        torch.index_select(c.src, 2, c.src_slots, out=out)
+        gather(c.src, c.src_slots, out, c.page_size)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             up = out.to(self.device, non_blocking=True)
             c.dst.index_copy_(2, c.dst_slots.to(self.device, non_blocking=True), up)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from mpprefill.memory.allocator import PagedTokenAllocator
-from mpprefill.memory.host.copier import HostCopier, SlotCopy
+from mpprefill.memory.host.copier import HostCopier, HostLink, SlotCopy
 from mpprefill.memory.host.index import HostPage, HostPageIndex
 from mpprefill.memory.host.writeback import WritebackBuffers
 from mpprefill.memory.kv_cache import KVCache
@@ -73,10 +73,13 @@ class HostKVStore:
     """Capacity `num_tokens` (rounded down to pages) of KV shaped like `like`, on the host.
 
     With SWA layers in `like`, the SWA pool has as many pages as the full one, so every
-    entry can hold a checkpoint page and only whole entries are ever evicted.
+    entry can hold a checkpoint page and only whole entries are ever evicted. `link`: the
+    emulated accelerator's host link, which each copy also waits for.
     """
 
-    def __init__(self, num_tokens: int, page_size: int, like: KVCache) -> None:
+    def __init__(
+        self, num_tokens: int, page_size: int, like: KVCache, link: HostLink | None = None
+    ) -> None:
         num_pages = num_tokens // page_size
         if num_pages <= 0:
             raise ValueError(f"host store of {num_tokens} tokens holds no page of {page_size}")
@@ -91,7 +94,7 @@ class HostKVStore:
             self.swa_kv = _host_pool(like.swa_buffer, num_pages * page_size)
             self.swa_pages = PagedTokenAllocator(num_pages, page_size)
             self.swa_buffers = WritebackBuffers(*_pool_dims(like.swa_buffer), like.dtype)
-        self.copier = HostCopier(like.device)
+        self.copier = HostCopier(like.device, link)
         self._writes: deque[_Write] = deque()
 
     @property
@@ -176,11 +179,12 @@ class HostKVStore:
         future is done (the caller holds them); None when there is nothing to write."""
         if not entries and not swa_entries:
             return None
+        ps = self.page_size
         copies = [SlotCopy(device_kv.buffer, full.device_slots, self.kv.buffer, full.host_slots,
-                           self.buffers)]  # fmt: skip
+                           self.buffers, ps)]  # fmt: skip
         if swa is not None and len(swa.device_slots):
             copies.append(SlotCopy(device_kv.swa_buffer, swa.device_slots, self.swa_kv.buffer,
-                                   swa.host_slots, self.swa_buffers))  # fmt: skip
+                                   swa.host_slots, self.swa_buffers, ps))  # fmt: skip
         future = self.copier.submit(copies)
         self._writes.append(_Write(future, list(entries), list(swa_entries)))
         return future
@@ -215,14 +219,15 @@ class HostKVStore:
         NOTE: the host pages are read in the copy thread's order: a later write-back that
         reuses one (after an eviction) writes it only after this load read it.
         """
+        ps = self.page_size
         copies = []
         if len(entries):
             copies.append(SlotCopy(self.kv.buffer, self.slots_of(entries), device_kv.buffer,
-                                   device_slots, self.buffers))  # fmt: skip
+                                   device_slots, self.buffers, ps))  # fmt: skip
         if len(swa_entries):
             copies.append(SlotCopy(self.swa_kv.buffer, self.swa_slots_of(swa_entries),
                                    device_kv.swa_buffer, swa_device_slots,
-                                   self.swa_buffers))  # fmt: skip
+                                   self.swa_buffers, ps))  # fmt: skip
         return self.copier.submit(copies, before)
 
     def flush(self) -> int:
