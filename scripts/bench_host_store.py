@@ -11,6 +11,13 @@ checkpoints) as one batched copy or N copies, in ms per batch on the scheduler t
 
     python scripts/bench_host_store.py --repeats 3 [--json out.json]
     python scripts/bench_host_store.py --smoke      # a tiny run: does it work at all
+
+On the emulated accelerator (`--device emulated`: an emulated model on an emulated GPU,
+the tier's copies timed over its PCIe link; every figure from it is emulated):
+
+    python scripts/bench_host_store.py --device emulated --emulate-model Llama-3.1-8B \
+        --models dense --num-requests 4096 --max-total-tokens 131072 \
+        --host-store-size 524288 --chunked-prefill-size 8192 --transfer-backend fake
 """
 
 from __future__ import annotations
@@ -33,10 +40,10 @@ from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.host.store import HostKVStore
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.memory.req_to_token import ReqToTokenPool
-from mpprefill.model.loader import config_from_args
 from mpprefill.scheduling.host_tier import HostTier
 from mpprefill.scheduling.kv_pools import make_kv_pools
 from mpprefill.scheduling.req import Req
+from mpprefill.worker.build import emulated_host_link, worker_model_config
 
 CONFIGS = {
     "no host store": dict(host_store_size=0),
@@ -66,6 +73,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-total-tokens", type=int, default=8192, help="device KV pool")
     ap.add_argument("--host-store-size", type=int, default=262144)
     ap.add_argument("--worker-threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "emulated"))
+    ap.add_argument("--emulate-model", default="Qwen2.5-0.5B", help="with --device emulated")
+    ap.add_argument("--emulate-gpu", default="h200", help="with --device emulated")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None, help="and max prefill")
+    ap.add_argument("--transfer-backend", default="shm", choices=("shm", "fake"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--staging-reqs", default="1,2,4,8", help="finishing requests per batch")
     ap.add_argument("--staging-batches", type=int, default=20, help="batches timed per point")
@@ -98,11 +110,17 @@ def server_args(args: argparse.Namespace, model: str) -> ServerArgs:
     if model not in ("dense", "swa"):
         sys.exit(f"--models: dense or swa, got {model!r}")
     swa = dict(sliding_window=args.sliding_window, swa_layers=args.swa_layers)
+    emulated = dict(emulate_model=args.emulate_model, emulate_gpu=args.emulate_gpu)
+    chunk = args.chunked_prefill_size
+    sizes = dict(chunked_prefill_size=chunk, max_prefill_tokens=chunk) if chunk else {}
     return ServerArgs(
         max_total_tokens=args.max_total_tokens,
         host_store_size=args.host_store_size,
-        disaggregation_transfer_backend="shm",
+        disaggregation_transfer_backend=args.transfer_backend,
         worker_threads=args.worker_threads,
+        device=args.device,
+        **(emulated if args.device == "emulated" else {}),
+        **sizes,
         **(swa if model == "swa" else {}),
     )
 
@@ -130,7 +148,8 @@ def end_to_end(args: argparse.Namespace, base: ServerArgs, model: str) -> dict:
             trials[name].append(run)
             print(f"[{model} {i + 1}/{args.repeats}] {name}: {summary(run)}", file=sys.stderr)
     rows = {name: medians(runs) for name, runs in trials.items()}
-    print(f"\n{model} model, {args.mode}, end to end (medians of {args.repeats})")
+    title = f"{base.device_label}, {model} model, {args.mode}"
+    print(f"\n{title}, end to end (medians of {args.repeats})")
     head = f"{'configuration':34s} {'uncached ITPS':>13s} {'total ITPS':>11s}"
     print(f"{head} {'hit rate':>8s} {'P ms/batch':>10s} {'fwd bound':>10s} {'of bound':>8s}")
     for name, r in rows.items():
@@ -176,7 +195,8 @@ def staging_table(args: argparse.Namespace, base: ServerArgs) -> list[dict]:
             row[key] = {"plan_ms": plan, "copy_ms": copy}
         rows.append(row)
     kind = "SWA" if base.sliding_window else "dense"
-    print(f"\n{kind} model: staging of finishing requests' write-back, ms per batch (medians)")
+    title = f"{base.device_label}, {kind} model"
+    print(f"\n{title}: staging of finishing requests' write-back, ms per batch (medians)")
     head = f"{'finishing reqs':>14s} {'batched plan':>12s} {'batched copy':>12s}"
     print(f"{head} {'per-req plan':>12s} {'per-req copy':>12s}")
     for r in rows:
@@ -195,12 +215,12 @@ def time_staging(
     need = num_reqs * (args.prompt_len + base.page_size) / base.swa_full_tokens_ratio
     pages = cdiv(int(need), base.page_size)
     base = base.replace(max_total_tokens=max(base.max_total_tokens, pages * base.page_size))
-    config = config_from_args(base)
+    config = worker_model_config(base)
     pool = ReqToTokenPool(num_reqs + 1, args.prompt_len + 1)
     allocator, tree = make_kv_pools(base, config, pool)
     kv = KVCache.for_model(config, allocator.size, num_swa_slots=allocator.swa_size or None)
     kv.storage.normal_()
-    store = HostKVStore(args.host_store_size, base.page_size, kv)
+    store = HostKVStore(args.host_store_size, base.page_size, kv, emulated_host_link(base))
     tier = HostTier(store, tree, allocator, kv, batched)
     gen = torch.Generator().manual_seed(args.seed)
     plan_ms, copy_ms = [], []
