@@ -61,12 +61,17 @@ HOST_WIDTH = dict(
 
 
 def host_config(base: ModelConfig, emulate_model: str) -> ModelConfig:
-    """The tiny-width stand-in: `base`'s vocabulary and positions, the emulated model's
-    layer count."""
-    if base.has_sliding_layers:
-        raise ValueError("--device emulated does not model sliding-window layers")
+    """The tiny-width stand-in: `base`'s vocabulary, positions and window, the emulated
+    model's layer count. With sliding-window layers in `base`, emulated layer i slides
+    where layer i mod (base's layer count) does, so a repeating pattern keeps its period."""
     shape = resolve_shape(emulate_model)
-    return dataclasses.replace(base, num_hidden_layers=shape.num_layers, **HOST_WIDTH)
+    types = None
+    if base.has_sliding_layers:
+        n = base.num_hidden_layers
+        types = tuple(base.layer_types[i % n] for i in range(shape.num_layers))
+    return dataclasses.replace(
+        base, num_hidden_layers=shape.num_layers, layer_types=types, **HOST_WIDTH
+    )
 
 
 def host_model(config: ModelConfig, seed: int) -> LlamaForCausalLM:
@@ -89,7 +94,7 @@ def shrink(fb: ForwardBatch, keep: int = KEEP_TOKENS) -> ForwardBatch:
     ends = torch.cumsum(extend, 0)
     rows = torch.cat([torch.arange(e - k, e) for e, k in zip(ends.tolist(), kept.tolist())])
     out = fb.out_cache_loc[rows]
-    return ForwardBatch(
+    small = ForwardBatch(
         input_ids=fb.input_ids[rows],
         positions=fb.positions[rows],
         out_cache_loc=out,
@@ -97,6 +102,10 @@ def shrink(fb: ForwardBatch, keep: int = KEEP_TOKENS) -> ForwardBatch:
         extend_lens=kept,
         kv_indices=out,
     )
+    if fb.has_swa_slots:  # the sliding-window layers' own pool: the same rows there
+        small.swa_out_cache_loc = fb.swa_out_cache_loc[rows]
+        small.swa_kv_indices = small.swa_out_cache_loc
+    return small
 
 
 class EmulatedDevice:
@@ -118,13 +127,23 @@ class EmulatedDevice:
     def forward(self, model: LlamaForCausalLM, fb: ForwardBatch, kv: KVCache):
         extend = fb.extend_lens.tolist()
         prefix = fb.prefix_lens.tolist()
-        compute, allreduce = layer_parts_s(self.shape, self.gpu, extend, prefix, self.tp_size)
+        config = model.config
+        parts = {None: layer_parts_s(self.shape, self.gpu, extend, prefix, self.tp_size)}
+        if config.has_sliding_layers:
+            window = config.sliding_window
+            parts[window] = layer_parts_s(
+                self.shape, self.gpu, extend, prefix, self.tp_size, window
+            )
+        layers = [
+            parts[config.sliding_window if config.is_sliding(i) else None]
+            for i in range(len(model.layers))
+        ]
         head, gather = head_parts_s(self.shape, self.gpu, len(extend), self.tp_size)
-        layer_s = compute + allreduce
         head_s = head + gather
         first: list[float] = []
 
         def on_layer(i: int) -> None:
+            layer_s = sum(layers[i])
             end = self.clock.issue(layer_s)
             if not first:
                 first.append(end - layer_s)
@@ -132,8 +151,8 @@ class EmulatedDevice:
         logits = model(shrink(fb), kv, on_layer)
         end = self.clock.issue(head_s)
         start = first[0] if first else end - head_s
-        busy = layer_s * len(model.layers) + head_s
-        collective = allreduce * len(model.layers) + gather
+        busy = sum(c + a for c, a in layers) + head_s
+        collective = sum(a for _, a in layers) + gather
         self._last = (int(start * 1e9), int(end * 1e9), busy, collective)
         return logits
 
@@ -147,25 +166,27 @@ class EmulatedDevice:
 class EmulatedHostLink:
     """The emulated GPU's host link, for the host KV tier's copies: each copy of n slots
     of a pool with L layers lasts the roofline's time to move the real model's K and V of
-    n tokens in L layers over PCIe (`roofline.host_copy_time_s`), on a clock of its own
-    (the copy engines run beside the compute stream). `copy` returns once it is done."""
+    n tokens in L layers over PCIe (`roofline.host_copy_time_s`). PCIe is full duplex and
+    a GPU's copy engines run beside its compute, so each direction has a clock of its
+    own. `copy` returns once the copy is done."""
 
-    def __init__(self, shape: ModelShape, gpu: str, tp_size: int = 1, clock=None):
+    def __init__(self, shape: ModelShape, gpu: str, tp_size: int = 1, make_clock=DeviceClock):
         shape.shard(tp_size)  # raises unless the shape splits over the group
         self.shape = shape
         self.gpu = GPUS[gpu]
         self.tp_size = tp_size
-        self.clock = clock or DeviceClock()
-        self.busy_s = 0.0  # link seconds charged so far
+        self.clocks = {True: make_clock(), False: make_clock()}  # by to_device
+        self.busy_s = 0.0  # link seconds charged so far, both directions
 
     @classmethod
     def of(cls, emulate_model: str, gpu: str, tp_size: int = 1) -> EmulatedHostLink:
         return cls(resolve_shape(emulate_model), gpu, tp_size)
 
-    def copy(self, num_tokens: int, num_layers: int) -> None:
+    def copy(self, num_tokens: int, num_layers: int, to_device: bool) -> None:
         took = host_copy_time_s(self.shape, self.gpu, num_tokens, num_layers, self.tp_size)
         self.busy_s += took
-        self.clock.wait_until(self.clock.issue(took))
+        clock = self.clocks[to_device]
+        clock.wait_until(clock.issue(took))
 
 
 class EmulatedStream(HostStream):

@@ -1,31 +1,35 @@
-"""HostCopier: the host tier's copies, in order, on a thread of their own.
+"""HostCopier: the host tier's copies, on two threads of their own, one per direction.
 
 The scheduler thread only plans a copy (which slots of which pool go where) and hands it
-over; the copy thread gathers, moves and scatters, and the scheduler later retires what
-is done. Copies run one at a time in submission order, so a host page that a load reads
-is rewritten by a later write-back only after that load, and a device page a load fills
-is read by nothing the scheduler issued before it.
+over; a copy thread gathers, moves and scatters, and the scheduler later retires what is
+done. Loads (host to device) and write-backs (device to host) each run one at a time in
+submission order on their own lane, as a GPU's copy engines move both directions at once;
+a load, which the next forward waits for, never queues behind a write-back. Between the
+lanes one order holds: a write-back starts only after every load submitted before it, so
+a host page that a load reads is rewritten by a later write-back (after an eviction) only
+once that load is done. The other way needs nothing: a load reads ready host pages only,
+whose write-backs have retired, and fills fresh device pages, which no write-back reads.
 
     pools          CPU device               CUDA device
-    write-back     gather + scatter (host)  gather + D2H on the staging stream, event,
-                                            then scatter on the host
+    write-back     gather + scatter (host)  gather + D2H on the write lane's stream,
+                                            event, then scatter on the host
     load           gather + scatter (host)  gather on the host, H2D + scatter on the
-                                            staging stream, event
+                                            load lane's stream, event
 
 On the emulated accelerator the pools are host memory at a tiny width; each copy then
 also waits out the time the real model's KV would take over the GPU's host link
 (`HostLink`), so loads and write-backs last what they would on the GPU.
 
-NOTE: torch's copy kernels release the GIL, so on the CPU the thread's copies run beside
-the scheduler's Python; on CUDA the thread waits on the staging stream's event, never the
-scheduler.
+NOTE: torch's copy kernels release the GIL, so on the CPU the threads' copies run beside
+the scheduler's Python; on CUDA a thread waits on its stream's event, never the scheduler.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import NamedTuple, Protocol
 
 import torch
@@ -87,32 +91,54 @@ def scatter(dst: Tensor, slots: Tensor, data: Tensor, page_size: int) -> None:
 
 
 class HostLink(Protocol):
-    def copy(self, num_tokens: int, num_layers: int) -> None:
-        """Block for as long as moving num_tokens tokens' KV of num_layers layers takes."""
+    def copy(self, num_tokens: int, num_layers: int, to_device: bool) -> None:
+        """Block for as long as moving num_tokens tokens' KV of num_layers layers takes,
+        in one direction."""
 
 
 class HostCopier:
     def __init__(self, device: torch.device, link: HostLink | None = None) -> None:
         self.device = device
         self.link = link
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="host-kv-copy")
-        self.busy_s = 0.0  # seconds the thread spent copying (read on the scheduler thread)
+        cuda = device.type == "cuda"
+        self._load_stream = torch.cuda.Stream(device) if cuda else None
+        self._write_stream = torch.cuda.Stream(device) if cuda else None
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="host-kv-load")
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="host-kv-write")
+        self._last_load: Future | None = None  # the write lane's barrier
+        self._busy = threading.Lock()
+        self.busy_s = 0.0  # seconds both threads spent copying (read on the scheduler thread)
 
-    def submit(self, copies: list[SlotCopy], before: Callable[[], None] | None = None) -> Future:
-        """Run the copies after `before` (a fence wait) and every copy submitted earlier;
+    def load(self, copies: list[SlotCopy], before: Callable[[], None] | None = None) -> Future:
+        """Host-to-device copies, after `before` (a fence wait) and every load submitted
+        earlier; the future's result is the seconds the copies took."""
+        self._last_load = self._loads.submit(self._run, copies, before, True)
+        return self._last_load
+
+    def write(self, copies: list[SlotCopy]) -> Future:
+        """Device-to-host copies, after every write-back and every load submitted earlier;
         the future's result is the seconds the copies took."""
-        return self._thread.submit(self._run, copies, before)
+        return self._writes.submit(self._run, copies, self._after_loads(), False)
+
+    def _after_loads(self) -> Callable[[], None] | None:
+        last = self._last_load
+        if last is None or last.done():
+            return None
+        return lambda: wait([last])  # NOTE: a failed load raises on its own future
 
     def submit_call(self, fn: Callable[[], object]) -> Future:
-        """Run fn in the copies' order (a test holds the thread with it)."""
-        return self._thread.submit(fn)
+        """Run fn on the load lane; every copy submitted after it, either lane, waits for
+        it (a test holds the copies with it)."""
+        self._last_load = self._loads.submit(fn)
+        return self._last_load
 
     def drain(self) -> None:
-        """Block until every copy submitted so far has run."""
-        self._thread.submit(lambda: None).result()
+        """Block until every copy submitted so far, either lane, has run."""
+        wait([self._loads.submit(lambda: None), self._writes.submit(lambda: None)])
 
-    def _run(self, copies: list[SlotCopy], before: Callable[[], None] | None) -> float:
+    def _run(
+        self, copies: list[SlotCopy], before: Callable[[], None] | None, to_device: bool
+    ) -> float:
         if before is not None:
             before()
         t0 = time.perf_counter()
@@ -120,9 +146,10 @@ class HostCopier:
             if len(copy.src_slots):
                 self._copy(copy)
                 if self.link is not None:
-                    self.link.copy(len(copy.src_slots), copy.src.shape[1])
+                    self.link.copy(len(copy.src_slots), copy.src.shape[1], to_device)
         took = time.perf_counter() - t0
-        self.busy_s += took
+        with self._busy:
+            self.busy_s += took
         return took
 
     def _copy(self, c: SlotCopy) -> None:
@@ -143,11 +170,11 @@ class HostCopier:
         """Gather and copy down on the staging stream, then scatter into the host pool."""
         buf = c.buffers.take(n, torch.device("cpu"), pin=True)
         out = c.buffers.view(buf, n)
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self._write_stream):
             gathered = c.src.index_select(2, c.src_slots.to(self.device, non_blocking=True))
             out.copy_(gathered, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self._stream)
+            done.record(self._write_stream)
         done.synchronize()
         scatter(c.dst, c.dst_slots, out, c.page_size)
         c.buffers.give(buf)
@@ -158,13 +185,14 @@ class HostCopier:
         buf = c.buffers.take(n, torch.device("cpu"), pin=True)
         out = c.buffers.view(buf, n)
         gather(c.src, c.src_slots, out, c.page_size)
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self._load_stream):
             up = out.to(self.device, non_blocking=True)
             c.dst.index_copy_(2, c.dst_slots.to(self.device, non_blocking=True), up)
             done = torch.cuda.Event()
-            done.record(self._stream)
+            done.record(self._load_stream)
         done.synchronize()  # NOTE: the pinned buffer is reused only after the copy up
         c.buffers.give(buf)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        self._loads.shutdown(wait=True)
+        self._writes.shutdown(wait=True)

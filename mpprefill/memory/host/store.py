@@ -87,13 +87,16 @@ class HostKVStore:
         self.pages = PagedTokenAllocator(num_pages, page_size)
         self.index = HostPageIndex(page_size)
         self.kv = _host_pool(like.buffer, num_pages * page_size)
+        # NOTE: a set of buffers per copy lane: each is taken and given by its thread only
         self.buffers = WritebackBuffers(*_pool_dims(like.buffer), like.dtype)
+        self.load_buffers = WritebackBuffers(*_pool_dims(like.buffer), like.dtype)
         self.swa_kv: KVCache | None = None
         self.swa_pages: PagedTokenAllocator | None = None
         if like.swa_buffer is not None:
             self.swa_kv = _host_pool(like.swa_buffer, num_pages * page_size)
             self.swa_pages = PagedTokenAllocator(num_pages, page_size)
             self.swa_buffers = WritebackBuffers(*_pool_dims(like.swa_buffer), like.dtype)
+            self.swa_load_buffers = WritebackBuffers(*_pool_dims(like.swa_buffer), like.dtype)
         self.copier = HostCopier(like.device, link)
         self._writes: deque[_Write] = deque()
 
@@ -185,7 +188,7 @@ class HostKVStore:
         if swa is not None and len(swa.device_slots):
             copies.append(SlotCopy(device_kv.swa_buffer, swa.device_slots, self.swa_kv.buffer,
                                    swa.host_slots, self.swa_buffers, ps))  # fmt: skip
-        future = self.copier.submit(copies)
+        future = self.copier.write(copies)
         self._writes.append(_Write(future, list(entries), list(swa_entries)))
         return future
 
@@ -216,19 +219,19 @@ class HostKVStore:
         slots) on the copy thread, after `before` (the KV write fence). Nothing may read
         those device slots before the returned future is done.
 
-        NOTE: the host pages are read in the copy thread's order: a later write-back that
-        reuses one (after an eviction) writes it only after this load read it.
+        NOTE: a later write-back that reuses one of these host pages (after an eviction)
+        writes it only after this load read it (the copier's lanes keep that order).
         """
         ps = self.page_size
         copies = []
         if len(entries):
             copies.append(SlotCopy(self.kv.buffer, self.slots_of(entries), device_kv.buffer,
-                                   device_slots, self.buffers, ps))  # fmt: skip
+                                   device_slots, self.load_buffers, ps))  # fmt: skip
         if len(swa_entries):
             copies.append(SlotCopy(self.swa_kv.buffer, self.swa_slots_of(swa_entries),
                                    device_kv.swa_buffer, swa_device_slots,
-                                   self.swa_buffers, ps))  # fmt: skip
-        return self.copier.submit(copies, before)
+                                   self.swa_load_buffers, ps))  # fmt: skip
+        return self.copier.load(copies, before)
 
     def flush(self) -> int:
         """Drop every page (SWA checkpoints too), once the copies in flight have run (a load

@@ -3,6 +3,9 @@ accelerator each copy also waits out the real model's KV over the GPU's host lin
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -51,8 +54,8 @@ class CountingLink:
     def __init__(self):
         self.calls: list[tuple[int, int]] = []
 
-    def copy(self, num_tokens: int, num_layers: int) -> None:
-        self.calls.append((num_tokens, num_layers))
+    def copy(self, num_tokens: int, num_layers: int, to_device: bool) -> None:
+        self.calls.append((num_tokens, num_layers, to_device))
 
 
 def test_each_copy_with_slots_charges_the_link_its_tokens_and_layers():
@@ -66,24 +69,73 @@ def test_each_copy_with_slots_charges_the_link_its_tokens_and_layers():
         SlotCopy(src, slots, dst, slots, buffers, PS),
         SlotCopy(src, empty, dst, empty, buffers, PS),  # nothing to move: no charge
     ]
-    copier.submit(copies).result(timeout=10)
+    copier.write(copies).result(timeout=10)
+    copier.load(copies[:1]).result(timeout=10)
     copier.close()
-    assert link.calls == [(2 * PS, LAYERS)]
+    assert link.calls == [(2 * PS, LAYERS, False), (2 * PS, LAYERS, True)]
     assert torch.equal(dst[:, :, slots], src[:, :, slots])
+
+
+class WriteGate:
+    """A link whose device-to-host copies wait for `open` (10 s at most)."""
+
+    def __init__(self):
+        self.open = threading.Event()
+
+    def copy(self, num_tokens: int, num_layers: int, to_device: bool) -> None:
+        if not to_device:
+            self.open.wait(10)
+
+
+def test_a_write_back_waits_for_the_loads_before_it_and_a_load_never_for_a_write():
+    link = WriteGate()
+    copier = HostCopier(torch.device("cpu"), link)
+    host, device = pool(64, seed=3), pool(64, seed=4)
+    slots = page_slots([2])
+
+    def load(before=None):
+        buffers = WritebackBuffers(LAYERS, HEADS, DIM, torch.float32)
+        return copier.load([SlotCopy(host, slots, device, slots, buffers, PS)], before)
+
+    def write():
+        buffers = WritebackBuffers(LAYERS, HEADS, DIM, torch.float32)
+        return copier.write([SlotCopy(device, page_slots([5]), host, slots, buffers, PS)])
+
+    link.open.set()
+    gate = threading.Event()
+    first = load(gate.wait)
+    later = write()  # rewrites the host page that load reads
+    time.sleep(0.1)
+    assert not first.done() and not later.done()  # the write-back waits for the load
+    want = host[:, :, slots].clone()
+    gate.set()
+    later.result(timeout=10)
+    assert torch.equal(device[:, :, slots], want)  # the load read the page before
+    link.open.clear()
+    stuck = write()  # the write lane is held by its link
+    load().result(timeout=5)  # a load does not queue behind it
+    assert not stuck.done()
+    link.open.set()
+    stuck.result(timeout=10)
+    copier.close()
 
 
 def test_the_emulated_link_charges_the_real_models_kv_over_pcie():
     now = [100.0]
-    clock = DeviceClock(now=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+
+    def clock() -> DeviceClock:
+        return DeviceClock(now=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+
     shape = resolve_shape("Llama-3.1-8B")
-    link = EmulatedHostLink(shape, "h200", clock=clock)
-    link.copy(880, 32)
+    link = EmulatedHostLink(shape, "h200", make_clock=clock)
+    link.copy(880, 32, to_device=True)
     want = host_copy_time_s(shape, GPUS["h200"], 880, 32)
     # 880 tokens x 32 layers x 4 KiB of K and V at 80% of 64 GB/s: about 2.3 ms
     assert want == pytest.approx(880 * 32 * 4096 / 51.2e9, rel=0.02)
     assert now[0] == pytest.approx(100.0 + want) and link.busy_s == pytest.approx(want)
-    link.copy(880, 32)  # back to back on the link's own clock
+    link.copy(880, 32, to_device=True)  # back to back on the same direction's clock
     assert now[0] == pytest.approx(100.0 + 2 * want)
+    assert link.clocks[False].busy_until == float("-inf")  # the other direction is idle
 
 
 def test_host_copy_time_scales_with_bytes_and_splits_over_tensor_parallel_ranks():
