@@ -13,7 +13,8 @@ ragged prefill batch (T = Σ e tokens, b = dtype bytes, P = linear params per la
 A request extends e tokens after a cached prefix of p; its j-th new token attends the
 p + j + 1 positions up to itself, which sums to e·(p + (e + 1)/2) query-key pairs, each
 2·d FLOPs for QKᵀ and 2·d for PV per head. The attention reads the whole KV (p + e rows
-of kv_row = 2·kv_heads·d·b bytes) and writes e rows. Each part takes
+of kv_row = 2·kv_heads·d·b bytes) and writes e rows. A sliding-window layer of window W
+attends min(p + j + 1, W) positions and reads the KV from max(0, p - W + 1) on. Each part takes
 max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth); a layer never finishes faster
 than its kernels' launch floor. The head computes logits for R requests' last tokens only.
 
@@ -295,12 +296,16 @@ def layer_parts_s(
     extend_lens: Sequence[int],
     prefix_lens: Sequence[int],
     tp: int = 1,
+    window: int | None = None,
 ) -> tuple[float, float]:
-    """(compute, all-reduce) seconds of one layer on one of `tp` GPUs."""
+    """(compute, all-reduce) seconds of one layer on one of `tp` GPUs; with `window`, a
+    sliding-window layer's."""
     _check_batch(extend_lens, prefix_lens)
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be positive, got {window}")
     rank = shape.shard(tp)
     busy = _linear_time_s(rank, gpu, sum(extend_lens))
-    busy += _attention_time_s(rank, gpu, extend_lens, prefix_lens)
+    busy += _attention_time_s(rank, gpu, extend_lens, prefix_lens, window)
     compute = max(busy, KERNELS_PER_LAYER * gpu.kernel_floor_s)
     activations = sum(extend_lens) * shape.hidden * shape.dtype_bytes
     return compute, ALLREDUCES_PER_LAYER * allreduce_time_s(gpu, activations, tp)
@@ -372,14 +377,32 @@ def _linear_time_s(shape: ModelShape, gpu: GpuSpec, tokens: int) -> float:
 
 
 def _attention_time_s(
-    shape: ModelShape, gpu: GpuSpec, extend_lens: Sequence[int], prefix_lens: Sequence[int]
+    shape: ModelShape,
+    gpu: GpuSpec,
+    extend_lens: Sequence[int],
+    prefix_lens: Sequence[int],
+    window: int | None = None,
 ) -> float:
-    pairs = sum(e * (p + (e + 1) / 2) for e, p in zip(extend_lens, prefix_lens))
+    both = list(zip(extend_lens, prefix_lens))
+    if window is None:
+        pairs = sum(e * (p + (e + 1) / 2) for e, p in both)
+        kv_rows = sum(p + 2 * e for e, p in both)
+    else:
+        pairs = sum(windowed_pairs(e, p, window) for e, p in both)
+        kv_rows = sum(min(p, window - 1) + 2 * e for e, p in both)
     flops = 4 * shape.q_width * pairs
-    kv_rows = sum(p + 2 * e for e, p in zip(extend_lens, prefix_lens))
     q_and_out = 2 * sum(extend_lens) * shape.q_width * shape.dtype_bytes
     nbytes = kv_rows * shape.kv_bytes_per_token + q_and_out
     return _part_time_s(flops, gpu.attention_flops, nbytes, gpu.memory_bandwidth)
+
+
+def windowed_pairs(extend: int, prefix: int, window: int) -> int:
+    """Query-key pairs of `extend` new tokens after `prefix` in a sliding-window layer: the
+    j-th sees min(prefix + j + 1, window) positions."""
+    first = prefix + 1  # keys of the first new token, before the cap
+    uncapped = max(0, min(extend, window - first + 1))  # tokens seeing fewer than window
+    below = uncapped * first + uncapped * (uncapped - 1) // 2
+    return below + (extend - uncapped) * window
 
 
 def _part_time_s(flops: float, flop_rate: float, nbytes: float, bandwidth: float) -> float:

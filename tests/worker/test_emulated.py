@@ -3,6 +3,7 @@ that fire at device time, and every mode through it."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -20,7 +21,14 @@ from mpprefill.worker.emulated import (
     host_model,
     shrink,
 )
-from mpprefill.worker.roofline import DeviceClock, head_time_s, layer_time_s, resolve_shape
+from mpprefill.worker.roofline import (
+    DeviceClock,
+    head_time_s,
+    layer_parts_s,
+    layer_time_s,
+    resolve_shape,
+    windowed_pairs,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,11 +58,40 @@ def test_host_model_has_the_emulated_layer_count():
     cfg = host_config(ModelConfig.tiny(), "Llama-3.1-8B")
     assert cfg.num_hidden_layers == 32 and cfg.hidden_size == 32
     assert cfg.vocab_size == ModelConfig.tiny().vocab_size
-    sliding = ModelConfig(sliding_window=8, layer_types=("sliding_attention",) * 4)
-    with pytest.raises(ValueError, match="sliding-window"):
-        host_config(sliding, "Llama-3.1-8B")
     with pytest.raises(ValueError):
         host_config(ModelConfig.tiny(), "no-such-model")
+
+
+def test_sliding_layers_keep_their_pattern_at_the_emulated_layer_count():
+    tiny = ModelConfig.tiny()
+    types = ("sliding_attention", "full_attention") * (tiny.num_hidden_layers // 2)
+    cfg = host_config(dataclasses.replace(tiny, sliding_window=8, layer_types=types), "Qwen2.5-0.5B")
+    assert cfg.num_hidden_layers == 24 and cfg.sliding_window == 8
+    assert [cfg.is_sliding(i) for i in range(24)] == [i % 2 == 0 for i in range(24)]
+
+
+def test_sliding_layers_cost_their_window_on_the_device():
+    """At a prefix far past the window a sliding layer's attention sees W keys, so the
+    forward costs the full layers' roofline plus the sliding layers' windowed one."""
+    shape = resolve_shape("Llama-3.1-8B")
+    dev = EmulatedDevice(shape, "h200")
+    tiny = ModelConfig.tiny()
+    types = ("sliding_attention", "full_attention") * (tiny.num_hidden_layers // 2)
+    sliding = dataclasses.replace(tiny, sliding_window=256, layer_types=types)
+    model = host_model(host_config(sliding, "Llama-3.1-8B"), seed=0)
+    kv = KVCache.for_model(model.config, 1 << 16, num_swa_slots=1 << 16)
+    extend, prefix = [512, 512], [16384, 0]
+    dev.forward(model, _batch(extend, prefix), kv)
+    full = layer_time_s(shape, dev.gpu, extend, prefix)
+    windowed = sum(layer_parts_s(shape, dev.gpu, extend, prefix, window=256))
+    assert windowed < 0.8 * full  # 16k keys against 256 for the long request
+    want = 16 * full + 16 * windowed + head_time_s(shape, dev.gpu, 2)
+    assert dev.last_forward()[2] == pytest.approx(want)
+
+
+def test_windowed_pairs_count_each_querys_keys():
+    for e, p, w in [(1, 0, 4), (10, 0, 4), (10, 2, 4), (3, 100, 4), (7, 1, 1), (5, 0, 100)]:
+        assert windowed_pairs(e, p, w) == sum(min(p + j + 1, w) for j in range(e))
 
 
 def test_device_time_follows_the_roofline_and_queues_behind_earlier_work():
@@ -110,6 +147,19 @@ def test_every_mode_runs_on_the_emulated_device(mode, emulated_reference):
     assert [o.first_token for o in outs] == [o.first_token for o in ref]
     assert [o.cached_tokens for o in outs] == [o.cached_tokens for o in ref]
     assert m.device_s > 0 and m.num_batches > 0
+
+
+@pytest.mark.parametrize("mode", ["normal", "thread-ahead", "proc-ahead"])
+def test_a_sliding_window_model_runs_on_the_emulated_device(mode, emulated_reference):
+    """The sliding-window layers' own pool through the emulated device; a first token
+    depends on the last token and its position only, so it equals the dense run's."""
+    prompts, kw, ref = emulated_reference
+    swa = dict(sliding_window=24, swa_layers="sf")
+    with PrefillEngine(forward_mode=mode, check_invariants=True, **kw, **swa) as eng:
+        outs = eng.prefill(prompts, timeout=120)
+        eng.check_invariants(flush=True)
+        assert eng.worker.kv_cache.swa_buffer is not None
+    assert [o.first_token for o in outs] == [o.first_token for o in ref]
 
 
 def test_first_token_does_not_depend_on_prefix_hits_or_chunking():
