@@ -128,16 +128,12 @@ class EmulatedDevice:
         extend = fb.extend_lens.tolist()
         prefix = fb.prefix_lens.tolist()
         config = model.config
-        parts = {None: layer_parts_s(self.shape, self.gpu, extend, prefix, self.tp_size)}
+        full = layer_parts_s(self.shape, self.gpu, extend, prefix, self.tp_size)
+        sliding = full
         if config.has_sliding_layers:
             window = config.sliding_window
-            parts[window] = layer_parts_s(
-                self.shape, self.gpu, extend, prefix, self.tp_size, window
-            )
-        layers = [
-            parts[config.sliding_window if config.is_sliding(i) else None]
-            for i in range(len(model.layers))
-        ]
+            sliding = layer_parts_s(self.shape, self.gpu, extend, prefix, self.tp_size, window)
+        layers = [sliding if config.is_sliding(i) else full for i in range(len(model.layers))]
         head, gather = head_parts_s(self.shape, self.gpu, len(extend), self.tp_size)
         head_s = head + gather
         first: list[float] = []
@@ -176,6 +172,7 @@ class EmulatedHostLink:
         self.gpu = GPUS[gpu]
         self.tp_size = tp_size
         self.clocks = {True: make_clock(), False: make_clock()}  # by to_device
+        self._busy = threading.Lock()  # NOTE: the two copy lanes charge it concurrently
         self.busy_s = 0.0  # link seconds charged so far, both directions
 
     @classmethod
@@ -184,7 +181,8 @@ class EmulatedHostLink:
 
     def copy(self, num_tokens: int, num_layers: int, to_device: bool) -> None:
         took = host_copy_time_s(self.shape, self.gpu, num_tokens, num_layers, self.tp_size)
-        self.busy_s += took
+        with self._busy:
+            self.busy_s += took
         clock = self.clocks[to_device]
         clock.wait_until(clock.issue(took))
 

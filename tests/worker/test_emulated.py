@@ -65,7 +65,8 @@ def test_host_model_has_the_emulated_layer_count():
 def test_sliding_layers_keep_their_pattern_at_the_emulated_layer_count():
     tiny = ModelConfig.tiny()
     types = ("sliding_attention", "full_attention") * (tiny.num_hidden_layers // 2)
-    cfg = host_config(dataclasses.replace(tiny, sliding_window=8, layer_types=types), "Qwen2.5-0.5B")
+    sliding = dataclasses.replace(tiny, sliding_window=8, layer_types=types)
+    cfg = host_config(sliding, "Qwen2.5-0.5B")
     assert cfg.num_hidden_layers == 24 and cfg.sliding_window == 8
     assert [cfg.is_sliding(i) for i in range(24)] == [i % 2 == 0 for i in range(24)]
 
