@@ -128,7 +128,12 @@ class PagedTokenAllocator:
         """Free every page that any of these slots belongs to."""
         if slots.numel() == 0:
             return
-        pages = torch.unique(slots // self.page_size)
+        self.release_pages(torch.unique(slots // self.page_size))
+
+    def release_pages(self, pages: Tensor) -> None:
+        """Free these pages: ids sorted, each once (as `torch.unique` gives them)."""
+        if pages.numel() == 0:
+            return
         if pages[0] < 0 or pages[-1] >= self.num_pages:
             raise IndexError(f"slot out of range: pages {pages[0]}..{pages[-1]}")
         if self._is_free[pages].any():

@@ -66,6 +66,11 @@ class CacheableReq(Protocol):
 
 
 class RadixCache:
+    """NOTE: eviction pops a lazy heap of (last_access, id, node): a node is pushed
+    whenever it may have become an evictable leaf or was touched as one (added, matched or
+    inserted through as the deepest node, unlocked, or its last child gone); a record
+    whose node has left the tree, is no evictable leaf, or was touched since is skipped."""
+
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
@@ -83,6 +88,8 @@ class RadixCache:
         self._next_id = 0
         self.root = self._node(None, [], _empty())
         self._evictable = self._protected = 0
+        self._num_nodes = 0  # in the tree, root aside
+        self._leaves: list[tuple[int, int, TreeNode]] = []  # the lazy eviction heap
 
     def _node(self, parent: TreeNode | None, key: list[int], value: Tensor) -> TreeNode:
         self._next_id += 1
@@ -121,6 +128,7 @@ class RadixCache:
             child.last_access = now
             values.append(child.value)
             node, key = child, key[n:]
+        self._push_leaf(node)
         return MatchResult(torch.cat(values) if values else _empty(), node)
 
     def insert(self, token_ids: Sequence[int], slots: Tensor) -> int:
@@ -146,6 +154,7 @@ class RadixCache:
                 child = self._split(child, m)
             child.last_access = now
             node, key, value, present = child, key[m:], value[m:], present + m
+        self._push_leaf(node)
         return present
 
     def path_slots(self, token_ids: Sequence[int]) -> Tensor:
@@ -187,6 +196,7 @@ class RadixCache:
             node = node.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
+        deepest = node
         while node is not self.root:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"unlock of an unlocked node {node}")
@@ -195,24 +205,24 @@ class RadixCache:
                 self._protected -= len(node.key)
                 self._evictable += len(node.key)
             node = node.parent
+        self._push_leaf(deepest)  # NOTE: the nodes above it have a child: no leaves
 
     def evict(self, num_tokens: int) -> int:
         """Free LRU unlocked leaves until num_tokens are freed; returns the number freed."""
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if self._evictable_leaf(n)]
-        heapq.heapify(heap)
         freed = 0
         values = []
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        while freed < num_tokens and self._leaves:
+            access, _, node = heapq.heappop(self._leaves)
+            if access != node.last_access or not self._evictable_leaf(node):
+                continue
             values.append(node.value)
             freed += len(node.key)
             self._evictable -= len(node.key)
-            parent = node.parent
-            del parent.children[self._page_key(node.key)]
-            if self._evictable_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+            self._num_nodes -= 1
+            del node.parent.children[self._page_key(node.key)]
+            self._push_leaf(node.parent)
         if values:  # one free for all: each call costs far more than its slots
             self.allocator.free(torch.cat(values))
         return freed
@@ -227,6 +237,8 @@ class RadixCache:
         # NOTE: the root object stays: requests that matched nothing hold it as last_node.
         self.root.children.clear()
         self._evictable = 0
+        self._num_nodes = 0
+        self._leaves.clear()
 
     def cache_unfinished_req(self, req: CacheableReq) -> None:
         """Cache a request's KV so far and keep it locked: its next chunk extends it."""
@@ -290,6 +302,7 @@ class RadixCache:
         """Cut child after n tokens; the new upper node is returned. The child object keeps
         the lower part, so locks held on it still walk through the new node."""
         upper = self._node(child.parent, child.key[:n], child.value[:n].clone())
+        self._num_nodes += 1
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
         upper.parent.children[self._page_key(upper.key)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:].clone(), upper
@@ -301,9 +314,23 @@ class RadixCache:
         leaf.last_access = now
         parent.children[self._page_key(key)] = leaf
         self._evictable += len(key)
+        self._num_nodes += 1
+        self._push_leaf(leaf)
 
     def _evictable_leaf(self, node: TreeNode) -> bool:
-        return node is not self.root and not node.children and node.lock_ref == 0
+        """An unlocked leaf still in the tree."""
+        if node is self.root or node.children or node.lock_ref:
+            return False
+        return node.parent.children.get(self._page_key(node.key)) is node
+
+    def _push_leaf(self, node: TreeNode) -> None:
+        if not self._evictable_leaf(node):
+            return
+        heapq.heappush(self._leaves, (node.last_access, node.id, node))
+        if len(self._leaves) > 2 * self._num_nodes + 64:  # mostly stale records: rebuild
+            live = (n for n in self._nodes() if self._evictable_leaf(n))
+            self._leaves = [(n.last_access, n.id, n) for n in live]
+            heapq.heapify(self._leaves)
 
     def _nodes(self) -> Iterator[TreeNode]:
         """Every node but the root, parents before children."""
@@ -316,7 +343,12 @@ class RadixCache:
     def check(self) -> None:
         sizes = [0, 0]  # unlocked, locked
         values = [_empty()]
+        queued = {(access, node.id) for access, _, node in self._leaves}
+        num_nodes = 0
         for node in self._nodes():
+            num_nodes += 1
+            if self._evictable_leaf(node):
+                assert (node.last_access, node.id) in queued, f"{node} cannot be evicted"
             n = len(node.key)
             assert n > 0 and n % self.page_size == 0 and len(node.value) == n, node
             assert node.parent.children.get(self._page_key(node.key)) is node, node
@@ -324,6 +356,7 @@ class RadixCache:
             sizes[node.lock_ref > 0] += n
             values.append(node.value)
         assert self.root.lock_ref == 0 and not self.root.key
+        assert num_nodes == self._num_nodes, f"node count drifted: {self._num_nodes}"
         assert sizes == [self._evictable, self._protected], (sizes, self)
         slots = torch.cat(values)
         pages = slots.view(-1, self.page_size)

@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import heapq
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mpprefill.memory.allocator import PagedTokenAllocator
 from mpprefill.memory.radix_cache import RadixCache
@@ -176,3 +180,66 @@ def test_no_sliding_window_kv_is_held_apart():
     put(cache, list(range(12)))
     assert cache.swa_evictable_size() == cache.swa_total_size() == 0
     assert cache.evict_swa(8) == 0 and cache.total_size() == 12
+
+
+def _scan_lru_leaves(cache: RadixCache, num_tokens: int) -> list[int]:
+    """Node ids a full scan of the tree would evict for num_tokens, in order."""
+
+    def leaf(n) -> bool:
+        return n is not cache.root and not n.children and n.lock_ref == 0
+
+    heap = [(n.last_access, n.id, n) for n in cache._nodes() if leaf(n)]
+    heapq.heapify(heap)
+    gone, freed, order = set(), 0, []
+    while freed < num_tokens and heap:
+        _, _, node = heapq.heappop(heap)
+        order.append(node.id)
+        gone.add(node.id)
+        freed += len(node.key)
+        parent = node.parent
+        rest = [c for c in parent.children.values() if c.id not in gone]
+        if parent is not cache.root and not rest and parent.lock_ref == 0:
+            heapq.heappush(heap, (parent.last_access, parent.id, parent))
+    return order
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("imlue"), st.integers(0, 7), st.integers(1, 5)),
+                max_size=60))  # fmt: skip
+def test_eviction_takes_the_leaves_a_full_scan_would(ops):
+    """The lazy heap evicts what scanning every leaf for the least recently used would,
+    through inserts, matches, locks, unlocks and evictions in any order."""
+    cache = make_cache(page_size=2, num_pages=64)
+    locks = []
+    for op, family, pages in ops:
+        tokens = [family] * 2 + list(range(2 * pages))  # families share nothing; depth varies
+        if op == "i" and cache.allocator.num_free_pages >= pages + 1:
+            put(cache, tokens)
+        elif op == "m":
+            cache.match_prefix(tokens)
+        elif op == "l":
+            node = cache.match_prefix(tokens).last_node
+            cache.inc_lock_ref(node)
+            locks.append(node)
+        elif op == "u" and locks:
+            cache.dec_lock_ref(locks.pop(family % len(locks)))
+        elif op == "e":
+            want = _scan_lru_leaves(cache, 4 * pages)
+            before = {n.id for n in cache._nodes()}
+            cache.evict(4 * pages)
+            assert sorted(before - {n.id for n in cache._nodes()}) == sorted(want)
+        cache.check()
+
+
+def test_a_leaf_unlocked_after_an_eviction_passed_it_over_is_evicted_later():
+    cache = make_cache(page_size=4)
+    x, y = [1] * 4, [2] * 4
+    put(cache, x)
+    put(cache, y)
+    node = cache.match_prefix(x).last_node  # x: the most recent, then locked
+    cache.inc_lock_ref(node)
+    cache.match_prefix(y)
+    assert cache.evict(8) == 4  # y goes; x, locked, is passed over
+    cache.dec_lock_ref(node)
+    assert cache.evict(8) == 4 and cache.total_size() == 0
+    cache.check()

@@ -164,10 +164,10 @@ class HostKVStore:
     def _free(self, entries: list[HostPage]) -> None:
         if not entries:
             return
-        self.pages.free(self.pages.slots_of(torch.tensor([e.page for e in entries])))
-        swa = [e.swa_page for e in entries if e.swa_page >= 0]
+        self.pages.release_pages(torch.tensor(sorted(e.page for e in entries)))
+        swa = sorted(e.swa_page for e in entries if e.swa_page >= 0)
         if swa:
-            self.swa_pages.free(self.swa_pages.slots_of(torch.tensor(swa)))
+            self.swa_pages.release_pages(torch.tensor(swa))
 
     def write(
         self,
