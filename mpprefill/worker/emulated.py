@@ -164,7 +164,8 @@ class EmulatedHostLink:
     of a pool with L layers lasts the roofline's time to move the real model's K and V of
     n tokens in L layers over PCIe (`roofline.host_copy_time_s`). PCIe is full duplex and
     a GPU's copy engines run beside its compute, so each direction has a clock of its
-    own. `copy` returns once the copy is done."""
+    own. `start` charges a copy to its direction's clock; the call it returns waits
+    until the clock has run it."""
 
     def __init__(self, shape: ModelShape, gpu: str, tp_size: int = 1, make_clock=DeviceClock):
         shape.shard(tp_size)  # raises unless the shape splits over the group
@@ -179,12 +180,13 @@ class EmulatedHostLink:
     def of(cls, emulate_model: str, gpu: str, tp_size: int = 1) -> EmulatedHostLink:
         return cls(resolve_shape(emulate_model), gpu, tp_size)
 
-    def copy(self, num_tokens: int, num_layers: int, to_device: bool) -> None:
+    def start(self, num_tokens: int, num_layers: int, to_device: bool) -> Callable[[], None]:
         took = host_copy_time_s(self.shape, self.gpu, num_tokens, num_layers, self.tp_size)
         with self._busy:
             self.busy_s += took
         clock = self.clocks[to_device]
-        clock.wait_until(clock.issue(took))
+        done_at = clock.issue(took)
+        return lambda: clock.wait_until(done_at)
 
 
 class EmulatedStream(HostStream):

@@ -17,8 +17,9 @@ whose write-backs have retired, and fills fresh device pages, which no write-bac
                                             load lane's stream, event
 
 On the emulated accelerator the pools are host memory at a tiny width; each copy then
-also waits out the time the real model's KV would take over the GPU's host link
-(`HostLink`), so loads and write-backs last what they would on the GPU.
+lasts the time the real model's KV would take over the GPU's host link (`HostLink`),
+which starts with the tiny copy and runs beside it (as the emulated forward's own compute
+runs beside its clock), so loads and write-backs last what they would on the GPU.
 
 NOTE: torch's copy kernels release the GIL, so on the CPU the threads' copies run beside
 the scheduler's Python; on CUDA a thread waits on its stream's event, never the scheduler.
@@ -91,9 +92,9 @@ def scatter(dst: Tensor, slots: Tensor, data: Tensor, page_size: int) -> None:
 
 
 class HostLink(Protocol):
-    def copy(self, num_tokens: int, num_layers: int, to_device: bool) -> None:
-        """Block for as long as moving num_tokens tokens' KV of num_layers layers takes,
-        in one direction."""
+    def start(self, num_tokens: int, num_layers: int, to_device: bool) -> Callable[[], None]:
+        """Start moving num_tokens tokens' KV of num_layers layers in one direction; the
+        call returned blocks until that move is done."""
 
 
 class HostCopier:
@@ -143,10 +144,14 @@ class HostCopier:
             before()
         t0 = time.perf_counter()
         for copy in copies:
-            if len(copy.src_slots):
-                self._copy(copy)
-                if self.link is not None:
-                    self.link.copy(len(copy.src_slots), copy.src.shape[1], to_device)
+            if not len(copy.src_slots):
+                continue
+            done = None
+            if self.link is not None:  # NOTE: its time runs while the copy below does
+                done = self.link.start(len(copy.src_slots), copy.src.shape[1], to_device)
+            self._copy(copy)
+            if done is not None:
+                done()
         took = time.perf_counter() - t0
         with self._busy:
             self.busy_s += took

@@ -1,5 +1,5 @@
 """The host tier's copy thread: page-wise moves equal slot-wise ones, and on the emulated
-accelerator each copy also waits out the real model's KV over the GPU's host link."""
+accelerator each copy lasts the real model's KV over the GPU's host link."""
 
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ class CountingLink:
     def __init__(self):
         self.calls: list[tuple[int, int]] = []
 
-    def copy(self, num_tokens: int, num_layers: int, to_device: bool) -> None:
+    def start(self, num_tokens: int, num_layers: int, to_device: bool):
         self.calls.append((num_tokens, num_layers, to_device))
+        return lambda: None
 
 
 def test_each_copy_with_slots_charges_the_link_its_tokens_and_layers():
@@ -82,9 +83,8 @@ class WriteGate:
     def __init__(self):
         self.open = threading.Event()
 
-    def copy(self, num_tokens: int, num_layers: int, to_device: bool) -> None:
-        if not to_device:
-            self.open.wait(10)
+    def start(self, num_tokens: int, num_layers: int, to_device: bool):
+        return (lambda: None) if to_device else (lambda: self.open.wait(10))
 
 
 def test_a_write_back_waits_for_the_loads_before_it_and_a_load_never_for_a_write():
@@ -128,13 +128,20 @@ def test_the_emulated_link_charges_the_real_models_kv_over_pcie():
 
     shape = resolve_shape("Llama-3.1-8B")
     link = EmulatedHostLink(shape, "h200", make_clock=clock)
-    link.copy(880, 32, to_device=True)
+    done = link.start(880, 32, to_device=True)
     want = host_copy_time_s(shape, GPUS["h200"], 880, 32)
     # 880 tokens x 32 layers x 4 KiB of K and V at 80% of 64 GB/s: about 2.3 ms
     assert want == pytest.approx(880 * 32 * 4096 / 51.2e9, rel=0.02)
+    now[0] += want / 2  # the tiny copy takes half the link's time: it runs beside it
+    done()
     assert now[0] == pytest.approx(100.0 + want) and link.busy_s == pytest.approx(want)
-    link.copy(880, 32, to_device=True)  # back to back on the same direction's clock
+    link.start(880, 32, to_device=True)()  # back to back on the same direction's clock
     assert now[0] == pytest.approx(100.0 + 2 * want)
+    done = link.start(880, 32, to_device=True)
+    now[0] += 2 * want  # a tiny copy slower than the link: the link adds nothing
+    before = now[0]
+    done()
+    assert now[0] == before
     assert link.clocks[False].busy_until == float("-inf")  # the other direction is idle
 
 
