@@ -217,6 +217,8 @@ class RadixCache:
             access, _, node = heapq.heappop(self._leaves)
             if access != node.last_access or not self._evictable_leaf(node):
                 continue
+            if not self._in_tree(node):
+                continue
             values.append(node.value)
             freed += len(node.key)
             self._evictable -= len(node.key)
@@ -318,9 +320,10 @@ class RadixCache:
         self._push_leaf(leaf)
 
     def _evictable_leaf(self, node: TreeNode) -> bool:
-        """An unlocked leaf still in the tree."""
-        if node is self.root or node.children or node.lock_ref:
-            return False
+        return node is not self.root and not node.children and node.lock_ref == 0
+
+    def _in_tree(self, node: TreeNode) -> bool:
+        """Not evicted since its heap record was pushed (only a popped record can lag)."""
         return node.parent.children.get(self._page_key(node.key)) is node
 
     def _push_leaf(self, node: TreeNode) -> None:

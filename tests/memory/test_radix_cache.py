@@ -243,3 +243,17 @@ def test_a_leaf_unlocked_after_an_eviction_passed_it_over_is_evicted_later():
     cache.dec_lock_ref(node)
     assert cache.evict(8) == 4 and cache.total_size() == 0
     cache.check()
+
+
+def test_a_leaf_evicted_is_never_evicted_again_from_an_older_record():
+    cache = make_cache(page_size=4)
+    x, y = [1] * 4, [2] * 4
+    put(cache, x)
+    node = cache.match_prefix(x).last_node
+    cache.inc_lock_ref(node)
+    cache.dec_lock_ref(node)  # x now has two records of the same access
+    assert cache.evict(4) == 4 and cache.total_size() == 0
+    put(cache, y)
+    assert cache.evict(8) == 4  # y only: x's second record is skipped
+    assert cache.total_size() == 0 and cache.allocator.num_free_pages == 32
+    cache.check()

@@ -52,7 +52,7 @@ def test_gather_and_scatter_move_what_slot_indexing_moves(aligned):
 
 class CountingLink:
     def __init__(self):
-        self.calls: list[tuple[int, int]] = []
+        self.calls: list[tuple[int, int, bool]] = []
 
     def start(self, num_tokens: int, num_layers: int, to_device: bool):
         self.calls.append((num_tokens, num_layers, to_device))
