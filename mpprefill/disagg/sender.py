@@ -61,14 +61,14 @@ class KVSender:
         return 0
 
     def should_send_kv_chunk(self, num_pages: int, last: bool) -> bool:
-        return num_pages > 0
+        """A last send goes out even without pages: it carries the first token."""
+        return num_pages > 0 or last
 
 
 class FakeSender(KVSender):
     """Moves nothing: WaitingForInput until the last send, then Success."""
 
     def __init__(self) -> None:
-        self.num_pages = 0
         self.sent_pages: list[int] = []
         self._done = self._aborted = False
 
@@ -86,9 +86,6 @@ class FakeSender(KVSender):
 
     def failure_reason(self) -> str:
         return "aborted"
-
-    def should_send_kv_chunk(self, num_pages: int, last: bool) -> bool:
-        return num_pages > 0 or last
 
 
 class FakeTransfer:

@@ -219,9 +219,6 @@ class TransferSender(KVSender):
     def pop_decode_prefix_len(self) -> int:
         return self.decode_prefix_len
 
-    def should_send_kv_chunk(self, num_pages: int, last: bool) -> bool:
-        return num_pages > 0 or last
-
     @property
     def is_live(self) -> bool:
         return self.state not in (KVPoll.Success, KVPoll.Failed)
