@@ -148,8 +148,3 @@ class ShmTransfer(TransferBackend):
         if self._handle is not None:
             ipc.close_handle(self._handle)
         self._handle = self._remote = None
-
-    @property
-    def remote_pool(self) -> torch.Tensor | None:
-        """The attached decode pool as [2 * L, num_pages, page_size * H * D] (for checks)."""
-        return self._remote

@@ -46,10 +46,11 @@ def test_prompts_arrive_verified_and_byte_equal(pool, backend, router, room):
         assert reply["status"] == "done", reply
         assert reply["first_token"] == p.first_token
         assert reply["verified"] is True and reply["max_abs_err"] < 1e-4, reply
-    src, dst = plane_view(kv.buffer, PAGE), backend.remote_pool
+    src = plane_view(kv.buffer, PAGE)
     for s, p in zip(senders, prompts):
         assert s.pages_sent == p.num_pages
-        assert torch.equal(dst[:, s.dst_pages], src[:, p.pages])
+        # the sender's target: the decode pool as the backend mapped it, in planes
+        assert torch.equal(s.target[:, s.dst_pages], src[:, p.pages])
 
 
 def test_page_rounding_33_tokens_is_3_pages(pool, backend, router, room):

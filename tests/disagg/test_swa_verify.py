@@ -62,7 +62,7 @@ def test_window_arrives_verified_and_nothing_else(swa_pool, backend, swa_decode,
         s, reply = _transfer(backend, swa_decode.address, p, f"sw{i}", room())
         assert reply["status"] == "done" and reply["first_token"] == p.first_token, reply
         assert reply["verified"] is True and reply["max_abs_err"] < 1e-4, reply
-        dst, lo = backend.remote_pool, p.window_start
+        dst, lo = s.target, p.window_start  # the decode pool, mapped as planes
         assert torch.equal(dst[full.dst_planes][:, s.dst_pages], full.view[:, p.pages])
         sent = s.dst_pages[lo:]
         assert torch.equal(dst[swa.dst_planes][:, sent], swa.view[:, p.window])
