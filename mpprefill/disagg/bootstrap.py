@@ -99,7 +99,9 @@ class BootstrapEndpoint:
         """Keep a registration until its room's request arrives; why not (None: held)."""
         held = self.waiting.get(msg.room)
         if held is not None:
-            return None if held.address == msg.address else _taken(msg.room)
+            if held.address != msg.address:
+                return f"room {msg.room} is registered by another decode"
+            return None
         if len(self.waiting) >= self.max_waiting:
             return f"{len(self.waiting)} registrations already wait for their requests"
         expires = time.monotonic() + self.expiry_s
@@ -163,7 +165,3 @@ class BootstrapEndpoint:
 
     def close(self) -> None:
         self.sock.close(linger=0)
-
-
-def _taken(room: int) -> str:
-    return f"room {room} is registered by another decode"

@@ -65,15 +65,14 @@ QUOTE_CHARS = 80
 MAX_HEAD_RANGES = 1024  # KV head ranges in a bootstrap: one per tensor-parallel rank at most
 
 
-def quote(v: Any) -> str:
-    """`repr(v)`, cut to QUOTE_CHARS: what an error message may echo of a peer's value."""
-    text = repr(v)
-    return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3] + "..."
-
-
 def brief(text: str, limit: int = 2 * QUOTE_CHARS) -> str:
     """An error text from or about a peer, cut to `limit` characters."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def quote(v: Any) -> str:
+    """`repr(v)`, cut to QUOTE_CHARS: what an error message may echo of a peer's value."""
+    return brief(repr(v), QUOTE_CHARS)
 
 
 class WireError(ValueError):
