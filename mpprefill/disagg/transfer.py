@@ -287,13 +287,8 @@ class TransferBackend:
                 self._start(cmd.sender)
             elif cmd.kind == "send":
                 self._send_pages(cmd, after)
-            elif self._live.get(cmd.sender.room) is cmd.sender:
-                link = self._link_of.get(cmd.sender.room)
-                self._drop(cmd.sender)
-                if link is not None:
-                    link.post(wire.Abort(cmd.sender.room))
-            else:
-                cmd.sender.let_go()
+            else:  # "abort": the sender failed already; the decode side frees its room
+                self._fail(cmd.sender, cmd.sender.failure_reason())
 
     def _start(self, s: TransferSender) -> None:
         if s.room in self._live:
