@@ -197,15 +197,28 @@ def bootstrap(sender, prompt: Prompt, timeout: float = 10.0) -> None:
     sender.init(cdiv(len(prompt.ids) - prefix, PAGE))
 
 
+def step(rx, timeout_ms: int) -> None:
+    """One turn of a decode receiver, as the decode server's loop gives it."""
+    if rx.sock.poll(timeout_ms):
+        rx.read()
+    rx.tick()
+
+
 @contextlib.contextmanager
 def serving(rx):
     """A decode receiver serving on a thread for the block; stopped, joined, closed after."""
-    thread = threading.Thread(target=rx.serve_forever, daemon=True)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            step(rx, 10 if rx.busy else 100)
+
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
         yield rx
     finally:
-        rx.stop()
+        stop.set()
         thread.join(5)
         rx.close()
     assert not thread.is_alive()

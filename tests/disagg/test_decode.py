@@ -10,7 +10,7 @@ import ipc
 from mpprefill.disagg.decode.args import DecodeArgs
 from mpprefill.disagg.decode.delay import TransferDelay
 from mpprefill.disagg.decode.receiver import DecodeReceiver
-from tests.disagg.helpers import PAGE, Router, serving
+from tests.disagg.helpers import PAGE, Router, serving, step
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -107,7 +107,7 @@ def test_close_answers_live_rooms():
     rx = DecodeReceiver(DecodeArgs(receiver_port=0, max_total_tokens=2 * PAGE))
     with Router(rx.address) as r:
         r.register("live", 1, [1, 2])
-        rx.step(1000)
+        step(rx, 1000)
         rx.close()
         assert r.recv() == {"rid": "live", "status": "error", "error": "decode shut down"}
 

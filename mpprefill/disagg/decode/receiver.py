@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -112,7 +111,6 @@ class DecodeReceiver:
         # pages handed over; (rid, room, error) otherwise. The server empties both.
         self.arrived: list[tuple[Room, int]] = []
         self.failed: list[tuple[str, int, str]] = []
-        self._stop = threading.Event()
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 200)
@@ -144,15 +142,6 @@ class DecodeReceiver:
 
     # ---- loop ----------------------------------------------------------------------------
 
-    def serve_forever(self) -> None:
-        while not self._stop.is_set():
-            self.step(10 if self.busy else 100)
-
-    def step(self, timeout_ms: int) -> None:
-        if self.sock.poll(timeout_ms):
-            self.read()
-        self.tick()
-
     def read(self) -> None:
         """Handle the frames waiting on the socket (up to 256)."""
         for _ in range(256):
@@ -172,16 +161,7 @@ class DecodeReceiver:
 
     def add_request(self, rid: str, room: int, input_ids: list[int]) -> str | None:
         """Wait for room `room`'s KV on behalf of the decode server; why not (None: added)."""
-        if room in self.rooms or room in self.draining or room in self.pending:
-            return f"room {room} is in use"
-        error = self._refusal(len(input_ids))
-        if error is not None:
-            return error
-        reg = wire.Register(rid, room, input_ids)
-        deadline = time.monotonic() + self.args.register_timeout
-        self.pending[room] = Pending(reg, b"", deadline, client=True)
-        self.admit_pending()
-        return None
+        return self._queue(wire.Register(rid, room, input_ids), b"", client=True)
 
     def end_request(self, room: int, error: str) -> bool:
         """End a room of the decode server before its KV arrived (it reaches `failed`);
@@ -205,10 +185,6 @@ class DecodeReceiver:
             "free_pages": self.allocator.num_free_pages,
             "num_pages": self.allocator.num_pages,
         }
-
-    def stop(self) -> None:
-        """Ask `serve_forever` to return (safe from a signal handler)."""
-        self._stop.set()
 
     def close(self) -> None:
         if self.verifier is not None:
@@ -249,23 +225,23 @@ class DecodeReceiver:
             handler(self, ident, msg)
 
     def _on_register(self, ident: bytes, msg: wire.Register) -> None:
-        r = msg.bootstrap_room
-        if r in self.rooms or r in self.draining or r in self.pending:
-            self._send(ident, wire.RouterReply(msg.rid, "error", error=f"room {r} is in use"))
-            return
-        error = self._refusal(len(msg.input_ids))
+        error = self._queue(msg, ident)
         if error is not None:
             self._send(ident, wire.RouterReply(msg.rid, "error", error=error))
-            return
-        self.pending[r] = Pending(msg, ident, time.monotonic() + self.args.register_timeout)
-        self.admit_pending()
 
-    def _refusal(self, prompt_len: int) -> str | None:
-        need = cdiv(prompt_len, self.args.page_size)
+    def _queue(self, reg: wire.Register, router: bytes, client: bool = False) -> str | None:
+        """Queue a registration for its pages; why not (None: queued)."""
+        r = reg.bootstrap_room
+        if r in self.rooms or r in self.draining or r in self.pending:
+            return f"room {r} is in use"
+        need = cdiv(len(reg.input_ids), self.args.page_size)
         if need > self.allocator.num_pages:
             return f"prompt needs {need} pages, the pool has {self.allocator.num_pages}"
         if len(self.pending) >= self.args.max_queued_registrations:
             return f"{len(self.pending)} registrations already wait for pages"
+        deadline = time.monotonic() + self.args.register_timeout
+        self.pending[r] = Pending(reg, router, deadline, client)
+        self.admit_pending()
         return None
 
     def admit_pending(self) -> None:
@@ -329,8 +305,7 @@ class DecodeReceiver:
         r = msg.room
         room = self.rooms.get(r)
         if r in self.draining and self.draining[r][2] == ident:
-            self.allocator.free(self.draining.pop(r)[0] * self.args.page_size)
-            self.admit_pending()
+            self._free(self.draining.pop(r)[0])
         elif room is not None and ident in (room.router, room.peer):
             by_router = ident == room.router and room.peer not in (None, ident)
             why = "the prefill aborted the transfer" if room.client else "aborted"
@@ -393,7 +368,11 @@ class DecodeReceiver:
             self._send(room.peer, wire.Abort(room.room))
             self.draining[room.room] = (room.pages, time.monotonic() + _DRAIN_S, room.peer)
             return
-        self.allocator.free(room.pages * self.args.page_size)
+        self._free(room.pages)
+
+    def _free(self, pages: torch.Tensor) -> None:
+        """Free a room's pages and give them to the registrations waiting."""
+        self.allocator.free(pages * self.args.page_size)
         self.admit_pending()
 
     def _expire(self, now: float) -> None:
@@ -411,8 +390,7 @@ class DecodeReceiver:
             if until >= now:
                 break
             del self.draining[r]
-            self.allocator.free(pages * self.args.page_size)
-            self.admit_pending()
+            self._free(pages)
 
     def _time_out(self, room: Room) -> None:
         """The room's KV did not arrive in time: the router gets an error; a prefill still
