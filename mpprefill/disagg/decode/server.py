@@ -39,7 +39,7 @@ from mpprefill.disagg.decode.bootstrap import PrefillLinks
 from mpprefill.disagg.decode.front import spawn_front, stop_front
 from mpprefill.disagg.decode.generate import Generator
 from mpprefill.disagg.decode.receiver import DecodeReceiver, Room
-from mpprefill.model import load_model
+from mpprefill.disagg.decode.verify import load_decode_model
 from mpprefill.server import protocol
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def eos_token_ids(model_path: str | None) -> tuple[int, ...]:
 class DecodeServer:
     def __init__(self, args: DecodeArgs) -> None:
         self.args = args
-        self.model = None if args.emulate_model is not None else self._load_model()
+        self.model = None if args.emulate_model is not None else load_decode_model(args)
         self.rx = DecodeReceiver(args, delay=args.transfer_delay, model=self.model)
         self.generator = None
         if self.model is not None:
@@ -112,15 +112,6 @@ class DecodeServer:
             self.zmq_port,
             own,
             "generating" if self.generator is not None else "receiving only",
-        )
-
-    def _load_model(self):
-        a = self.args
-        return load_model(
-            a.model_path,
-            seed=a.random_seed,
-            sliding_window=a.sliding_window,
-            swa_layers=a.swa_layers,
         )
 
     @staticmethod

@@ -31,12 +31,7 @@ class KVVerifier:
     def __init__(self, args, model=None) -> None:
         """`args`: DecodeArgs (model_path, random_seed, sliding_window, swa_layers, page_size);
         `model`: one loaded from them already (the decode server's), else loaded here."""
-        self.model = model or load_model(
-            args.model_path,
-            seed=args.random_seed,
-            sliding_window=args.sliding_window,
-            swa_layers=args.swa_layers,
-        )
+        self.model = model or load_decode_model(args)
         self.page_size = args.page_size
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-verify")
 
@@ -50,6 +45,17 @@ class KVVerifier:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def load_decode_model(args):
+    """The model of DecodeArgs `args`: the decode server generates with it, --verify
+    recomputes KV with it."""
+    return load_model(
+        args.model_path,
+        seed=args.random_seed,
+        sliding_window=args.sliding_window,
+        swa_layers=args.swa_layers,
+    )
 
 
 def reference_kv(model, input_ids: list[int], page_size: int) -> torch.Tensor:
