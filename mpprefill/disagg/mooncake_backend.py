@@ -113,12 +113,11 @@ class MooncakePool:
         logger.info("decode pool registered with mooncake session %s", self.session_id)
 
     def describe(self) -> dict:
-        base = self.kv.buffer.data_ptr()
         return {
             "kind": self.kind,
             "layout": self.layout.to_dict(),
             "session_id": self.session_id,
-            "base": base,
+            "base": self.kv.buffer.data_ptr(),
         }
 
     def close(self) -> None:

@@ -47,11 +47,9 @@ class PrefillLinks:
 
     def withdraw(self, endpoint: str, room: int) -> None:
         """Give up `room` at `endpoint` (its request ended on this side)."""
-        rooms = self._rooms.get(endpoint)
-        if rooms is None or room not in rooms:
-            return
-        self.done(endpoint, room)
-        self._post(self._socks[endpoint], wire.Abort(room))
+        if room in self._rooms.get(endpoint, ()):
+            self.done(endpoint, room)
+            self._post(self._socks[endpoint], wire.Abort(room))
 
     def done(self, endpoint: str, room: int) -> None:
         """`room` no longer waits on `endpoint` (its KV came, or it ended)."""

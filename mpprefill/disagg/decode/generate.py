@@ -193,7 +193,7 @@ class Generator:
         return [self._advance(seq, token) for seq, token in zip(batch, tokens, strict=True)]
 
     def _forward_batch(self, batch: list[_Seq]) -> ForwardBatch:
-        slots = [self._slots(s, s.input_position + 1).tolist() for s in batch]
+        slots = [self.allocator.slots_of(s.pages)[: s.input_position + 1].tolist() for s in batch]
         fb = ForwardBatch.build(
             [[s.output_ids[-1]] for s in batch], [s.input_position for s in batch], slots
         )
@@ -260,10 +260,6 @@ class Generator:
             raise ValueError(f"page ids out of range 0..{self.allocator.num_pages - 1}")
         if not self.allocator.is_held(pages * self.page_size):
             raise ValueError("pages include a free page")
-
-    def _slots(self, seq: _Seq, n: int) -> torch.Tensor:
-        """Slots of positions 0..n-1."""
-        return self.allocator.slots_of(seq.pages)[:n]
 
     def _free(self, seq: _Seq) -> None:
         self.allocator.free(seq.pages * self.page_size)
