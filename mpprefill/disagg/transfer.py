@@ -103,7 +103,7 @@ class TransferBackend:
         the scheduler thread; `wait(gen)` blocks the transfer thread until it completed, so
         no page is read while a forward still writes it (window pages: see
         TransferSender._window). Without `decode_address`, the bootstrap endpoint binds
-        `bootstrap_host:bootstrap_port` (0: any free port; `.bootstrap_port` says which);
+        `bootstrap_host:bootstrap_port` (0: any free port; `.endpoint.port` says which);
         registrations whose request has not come yet wait at most `bootstrap_timeout`, at
         most `max_waiting_registrations` of them."""
         self.shipped = ShippedKV.of(kv)
@@ -147,11 +147,6 @@ class TransferBackend:
                 raise
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.name}", daemon=True)
         self._thread.start()
-
-    @property
-    def bootstrap_port(self) -> int | None:
-        """Where the bootstrap endpoint listens (None: rooms go to `decode_address`)."""
-        return None if self.endpoint is None else self.endpoint.port
 
     # ---- scheduler thread -------------------------------------------------------------
 

@@ -73,7 +73,7 @@ def _finish(sender, prompt) -> None:
 def test_each_room_goes_to_the_decode_that_registered_it(pool, receivers, backend, room):
     _, prompts = pool
     rooms = [room(), room()]
-    reg = Registrant(backend.bootstrap_port)
+    reg = Registrant(backend.endpoint.port)
     try:
         with Router(receivers[0].address) as r0, Router(receivers[1].address) as r1:
             for r, rt, p in zip(rooms, (r0, r1), prompts, strict=False):
@@ -115,7 +115,7 @@ def test_a_room_nobody_registers_fails_by_the_bootstrap_timeout(pool, room):
 
 def test_hostile_registrations_are_refused_and_the_endpoint_keeps_serving(pool, receivers, room):
     b = make_transfer("shm", pool[0], PAGE, None, bootstrap_port=0, max_waiting_registrations=2)
-    x, y, big = (Registrant(b.bootstrap_port) for _ in range(3))
+    x, y, big = (Registrant(b.endpoint.port) for _ in range(3))
     try:
         x.sock.send(b"not json")
         assert x.recv()["type"] == "error"
@@ -161,7 +161,7 @@ def test_hostile_registrations_are_refused_and_the_endpoint_keeps_serving(pool, 
 
 def test_registrations_expire(pool, receivers, room):
     b = make_transfer("shm", pool[0], PAGE, None, bootstrap_port=0, bootstrap_timeout=0.5)
-    reg = Registrant(b.bootstrap_port)
+    reg = Registrant(b.endpoint.port)
     try:
         r = room()
         assert reg.register(r, receivers[0].address)["ok"] is True
@@ -179,7 +179,7 @@ def test_a_request_refused_before_its_sender_refuses_its_room(pool, receivers, r
     decode registered its room: the registrant hears so at once, before or after, with the
     status the prefill replied with when it refused the request."""
     b = make_transfer("shm", pool[0], PAGE, None, bootstrap_port=0, bootstrap_timeout=10.0)
-    reg = Registrant(b.bootstrap_port)
+    reg = Registrant(b.endpoint.port)
     address = receivers[0].address
     try:
         before, after, aborted, live = room(), room(), room(), room()
