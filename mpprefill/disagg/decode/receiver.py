@@ -421,13 +421,16 @@ class DecodeReceiver:
         return self.pool.kv.gather(slots)
 
     def _collect_checks(self) -> None:
-        done = [c for c in self._checks if c[2].done()]
-        self._checks = [c for c in self._checks if not c[2].done()]
-        for room, first_token, future in done:
-            if self.rooms.get(room.room) is not room:
-                continue  # aborted meanwhile
-            verified, err = _verdict(room, future)
-            self._deliver(room, wire.RouterReply(room.rid, "done", first_token, verified, err))
+        """Answer the rooms whose check finished; each future is asked `done()` once, so a
+        check that finishes meanwhile waits for the next tick instead of being lost."""
+        running = []
+        for room, first_token, future in self._checks:
+            if not future.done():
+                running.append((room, first_token, future))
+            elif self.rooms.get(room.room) is room:  # not aborted meanwhile
+                verified, err = _verdict(room, future)
+                self._deliver(room, wire.RouterReply(room.rid, "done", first_token, verified, err))
+        self._checks = running
 
 
 def _verdict(room: Room, future: Future) -> tuple[bool, float | None]:
