@@ -98,11 +98,10 @@ class TransferBackend:
         `bootstrap_timeout`: how long each sender waits for the decode side's answer to
         its bootstrap and to its final send (TransferSender.poll); `transfer_timeout`: how
         long a sender may stay Transferring, from its first send to the ack (this thread
-        fails it). `fence` (the worker's
-        `kv_fence`, optional): `required(pages)` names the forward a send's pages need, on
-        the scheduler thread; `wait(gen)` blocks the transfer thread until it completed, so
-        no page is read while a forward still writes it (window pages: see
-        TransferSender._window). Without `decode_address`, the bootstrap endpoint binds
+        fails it). `fence` (the worker's `kv_fence`, optional): `required(pages)` names the
+        forward a send's pages need, on the scheduler thread; `wait(gen)` blocks the transfer
+        thread until it completed, so no page is read while a forward still writes it (window
+        pages: see TransferSender._window). Without `decode_address`, the bootstrap endpoint binds
         `bootstrap_host:bootstrap_port` (0: any free port; `.endpoint.port` says which);
         registrations whose request has not come yet wait at most `bootstrap_timeout`, at
         most `max_waiting_registrations` of them."""
