@@ -274,17 +274,13 @@ def _head_ranges(v: Any, name: str) -> list[list[int]]:
     return ranges
 
 
-def _address(v: Any, name: str) -> str:
-    """`host:port`, port in [1, 65535]."""
+def check_address(v: Any, name: str = "address") -> str:
+    """`v` if it is host:port, port in [1, 65535] (a flag's or a peer's value); WireError,
+    a ValueError, otherwise."""
     m = ADDRESS_RE.fullmatch(v) if isinstance(v, str) else None
     if m is None or not 0 < int(m["port"]) < 65536:
         raise WireError(f"{name} must be host:port, got {quote(v)}")
     return v
-
-
-def check_address(address: str) -> str:
-    """`address` if it is host:port (a flag's or a peer's value); ValueError otherwise."""
-    return _address(address, "address")
 
 
 def _tokens(v: Any, name: str) -> list[int]:
@@ -345,7 +341,7 @@ _S = {
     ),
     "ack": (Ack, {"room": _int, "ok": _bool, "error": _optional(_str), "instance": _str}),
     "abort": (Abort, {"room": _int}),
-    "register_room": (RegisterRoom, {"room": _int, "address": _address}),
+    "register_room": (RegisterRoom, {"room": _int, "address": check_address}),
     "room_reply": (
         RoomReply,
         {"room": _int, "ok": _bool, "error": _optional(_str), "code": _optional(_int)},
