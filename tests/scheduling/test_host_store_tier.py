@@ -143,7 +143,7 @@ def test_flush_waits_for_the_write_backs_in_flight_then_drops_the_store():
     tier = dev.tier()
     reqs = [dev.finish(p) for p in prompts()]
     gate = threading.Event()
-    tier.store.copier.submit_call(lambda: gate.wait(10))  # the copy thread is busy
+    tier.store.copier.load([], before=lambda: gate.wait(10))  # the copy thread is busy
     tier.write_back(reqs)
     for req in reqs:
         dev.release(req)

@@ -31,7 +31,7 @@ def tokens(tag: int, num_pages: int) -> list[int]:
 
 def hold(store: HostKVStore, gate: threading.Event) -> None:
     """Keep the copy thread busy until gate is set (10 s at most, so a failure cannot hang)."""
-    store.copier.submit_call(lambda: gate.wait(10))
+    store.copier.load([], before=lambda: gate.wait(10))
 
 
 def write(store: HostKVStore, kv: KVCache, ids: list[int], device_slots: torch.Tensor):
