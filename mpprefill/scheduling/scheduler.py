@@ -225,9 +225,6 @@ class Scheduler:
         fb = build_forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows)
         add_swa_slots(self.allocator, fb)
         self.batch_seq += 1
-        first = [r for r in reqs if not r.first_admitted]
-        for r in first:
-            r.first_admitted = True
         return ScheduleBatch(
             seq=self.batch_seq,
             reqs=reqs,
@@ -239,7 +236,6 @@ class Scheduler:
             delay_sample=self.args.delay_sampling,
             return_logits=any(r.return_logits for r in reqs),
             new_tokens=len(input_ids),
-            cached_tokens=sum(r.cached_tokens for r in first),
         )
 
     def _ensure_row(self, req: Req) -> None:
