@@ -145,7 +145,7 @@ class Scheduler:
             state = req.sender.poll()
             if state == KVPoll.WaitingForInput:
                 req.start_send_idx = req.sender.pop_decode_prefix_len()
-                req.sender.init(self._num_pages(req.prompt_len - req.start_send_idx))
+                req.sender.init(cdiv(req.prompt_len - req.start_send_idx, self.page_size))
                 req.status = ReqStatus.WAITING
                 self.reqs.waiting.append(req)
             elif state == KVPoll.Failed:
@@ -255,9 +255,6 @@ class Scheduler:
         if out is None:
             raise RuntimeError("KV allocation failed although the adder reserved it")
         return out
-
-    def _num_pages(self, n_tokens: int) -> int:
-        return cdiv(n_tokens, self.page_size)
 
     # ---- forward hand-off ----------------------------------------------------------------
 
