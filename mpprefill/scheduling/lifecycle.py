@@ -104,7 +104,7 @@ class Lifecycle:
             if req in queue:
                 queue.remove(req)
                 req.sender.abort()
-                self.fail(req, reason, release=False)
+                self.finish(req, reason)
                 return True
         if req.status == ReqStatus.TRANSFERRING:
             req.sender.abort()  # the inflight queue releases it, then replies
@@ -124,11 +124,6 @@ class Lifecycle:
             self.finish(req, reason)
         self.bootstrap_queue, self.waiting, self.inflight_queue = [], deque(), []
         self.chunked_req = None
-
-    def fail(self, req: Req, reason: str, release: bool = True) -> None:
-        if release and req.req_pool_idx is not None:
-            self.release_aborted(req)
-        self.finish(req, reason)
 
     def finish(self, req: Req, error: str | None = None) -> None:
         if req.finished:

@@ -136,7 +136,7 @@ class Scheduler:
             try:
                 self.add_request(req)
             except ValueError as e:
-                self.reqs.fail(req, str(e), release=False)
+                self.reqs.finish(req, str(e))
 
     def pop_bootstrapped(self) -> None:
         self.transfer.raise_if_dead()  # no request could leave: the server must not go on
@@ -151,11 +151,11 @@ class Scheduler:
             elif state == KVPoll.Failed:
                 self.metrics.num_bootstrap_failed += 1
                 reason = f"bootstrap failed: {req.sender.failure_reason()}"
-                self.reqs.fail(req, reason, release=False)
+                self.reqs.finish(req, reason)
             elif now - req.arrival_time > self.args.bootstrap_timeout:
                 self.metrics.num_bootstrap_failed += 1
                 req.sender.abort()
-                self.reqs.fail(req, "bootstrap timed out", release=False)
+                self.reqs.finish(req, "bootstrap timed out")
             else:
                 keep.append(req)
         self.reqs.bootstrap_queue = keep
