@@ -165,9 +165,6 @@ class SafetensorsShards:
     def __iter__(self):
         return iter(self._files)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._files
-
     def read(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
         with self._open(self._files[name], framework="pt") as h:
             part = h.get_slice(name)
@@ -182,9 +179,6 @@ class _WholeTensors:
 
     def __iter__(self):
         return iter(self.tensors)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
 
     def read(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
         t = self.tensors[name]
