@@ -34,11 +34,7 @@ def _load_commands() -> None:
     import importlib
 
     for mod in ("mpprefill.commands", "mpprefill.bench.cli"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+        importlib.import_module(mod)
 
 
 def main(argv: list[str] | None = None) -> None:

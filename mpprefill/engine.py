@@ -47,12 +47,7 @@ class PrefillEngine:
         )
         self.mode = self.args.resolved_forward_mode
         self.worker, self.model_config = make_worker(self.args, self.mode)
-        self.scheduler = Scheduler(
-            self.args,
-            self.model_config,
-            self.worker,
-            FakeTransfer(),
-        )
+        self.scheduler = Scheduler(self.args, self.model_config, self.worker, FakeTransfer())
         self._loop = LOOPS[self.mode]
         self._ids = itertools.count()
         self._closed = False

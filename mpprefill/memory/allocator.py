@@ -155,14 +155,14 @@ class PagedTokenAllocator:
         return (pages[:, None] * self.page_size + offsets).reshape(-1)
 
     def check(self) -> None:
-        free = torch.cat([self._free_pages, *self._released])
+        free = self.free_pages()
         assert len(free) == self._num_free, "allocator: free count drifted"
         assert len(torch.unique(free)) == len(free), "allocator: a page is free twice"
         assert int(self._is_free.sum()) == self._num_free, "allocator: free mask drifted"
         assert bool(self._is_free[free].all()), "allocator: free list holds a held page"
 
     def _merge_released(self) -> None:
-        self._free_pages = torch.cat([self._free_pages, *self._released]).sort().values
+        self._free_pages = self.free_pages()
         self._released = []
 
     def _check_last_loc(self, prefix_len: int, last_loc: int) -> None:

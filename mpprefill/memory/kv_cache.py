@@ -57,7 +57,7 @@ class KVCache:
         elif not buffer.is_contiguous():
             raise ValueError("KV buffer must be contiguous")
         self.storage = buffer
-        self._num_layers = num_layers
+        self.num_layers = num_layers
         if not self.swa_layers:
             self.buffer, self.swa_buffer = buffer, None
         else:
@@ -142,10 +142,6 @@ class KVCache:
         n_swa = len(swa_layers)
         swa = cls.shape(n_swa, num_swa_slots, num_kv_heads, head_dim)
         return (math.prod(full) // num_layers * (num_layers - n_swa) + math.prod(swa),)
-
-    @property
-    def num_layers(self) -> int:
-        return self._num_layers
 
     @property
     def num_slots(self) -> int:

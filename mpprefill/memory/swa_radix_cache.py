@@ -125,7 +125,7 @@ class SwaRadixCache(RadixCache):
         for their full KV. Returns the number of SWA tokens freed."""
         if num_tokens <= 0:
             return 0
-        nodes = (n for n in self._nodes() if self._can_drop_swa(n))
+        nodes = (n for n in self._nodes() if not n.tombstone and not n.swa_locks)
         heap = [(not n.swa_cold, n.last_access, n.id, n) for n in nodes]
         heapq.heapify(heap)
         freed = 0
@@ -219,16 +219,14 @@ class SwaRadixCache(RadixCache):
             node = node.parent
 
     def _insert_req(self, req: CacheableReq, token_ids: Sequence[int]) -> int:
+        """As RadixCache's, after giving tombstones the request's fresh copies of their
+        pages, before those are freed as duplicates: else a prefix once tombstoned would be
+        recomputed forever."""
         aligned = self._aligned(len(token_ids))
         if aligned > req.cache_protected_len:
-            self._revive(req, token_ids[:aligned])
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            self._revive_row(row, token_ids[:aligned], req.cache_protected_len)
         return super()._insert_req(req, token_ids)
-
-    def _revive(self, req: CacheableReq, token_ids: Sequence[int]) -> None:
-        """Give tombstones the request's fresh copies of their pages, before RadixCache frees
-        those as duplicates: else a prefix once tombstoned would be recomputed forever."""
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        self._revive_row(row, token_ids, req.cache_protected_len)
 
     def _revive_row(self, row: Tensor, token_ids: Sequence[int], lo: int) -> None:
         """Revive the tombstones on token_ids' path from position lo on whose pages in `row`
@@ -283,9 +281,6 @@ class SwaRadixCache(RadixCache):
     def _window_start(self, depth: int) -> int:
         """First key position a query at `depth` reads from the cache: depth - W + 1."""
         return depth - self.sliding_window + 1
-
-    def _can_drop_swa(self, node: SwaTreeNode) -> bool:
-        return not node.tombstone and not node.swa_locks
 
     def _tombstone(self, node: SwaTreeNode) -> int:
         self.allocator.free_swa(node.value)

@@ -123,38 +123,10 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 def hf_name_table(config: ModelConfig) -> dict[str, tuple[str, slice]]:
-    """HF tensor name -> (our parameter name, rows of it). Fused q|k|v and gate|up split by row."""
-    table = {
-        "model.embed_tokens.weight": ("tok_embeddings.weight", slice(None)),
-        "model.norm.weight": ("norm.weight", slice(None)),
-    }
-    if not config.tie_word_embeddings:
-        table["lm_head.weight"] = ("output.weight", slice(None))
-    for i in range(config.num_hidden_layers):
-        table.update(_layer_table(config, i))
-    return table
-
-
-def _layer_table(config: ModelConfig, i: int) -> dict[str, tuple[str, slice]]:
-    hf, ours = f"model.layers.{i}.", f"layers.{i}."
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, None)}
-    suffixes = ("weight", "bias") if config.attention_bias else ("weight",)
-    table = {
-        f"{hf}self_attn.{proj}.{s}": (f"{ours}attention.wqkv.{s}", rows)
-        for proj, rows in qkv_rows.items()
-        for s in suffixes
-    }
-    whole = slice(None)
-    table[f"{hf}self_attn.o_proj.weight"] = (f"{ours}attention.wo.weight", whole)
-    if config.attention_out_bias:
-        table[f"{hf}self_attn.o_proj.bias"] = (f"{ours}attention.wo.bias", whole)
-    table[f"{hf}mlp.gate_proj.weight"] = (f"{ours}feed_forward.w13.weight", slice(0, inter))
-    table[f"{hf}mlp.up_proj.weight"] = (f"{ours}feed_forward.w13.weight", slice(inter, None))
-    table[f"{hf}mlp.down_proj.weight"] = (f"{ours}feed_forward.w2.weight", whole)
-    table[f"{hf}input_layernorm.weight"] = (f"{ours}attention_norm.weight", whole)
-    table[f"{hf}post_attention_layernorm.weight"] = (f"{ours}ffn_norm.weight", whole)
-    return table
+    """HF tensor name -> (our parameter name, rows of it). Fused q|k|v and gate|up split by
+    row: the shard table of a single rank, which holds every tensor whole."""
+    table = tp_shard_table(config, TPRank(0, 1))
+    return {name: (ours, rows) for name, (ours, rows, _, _) in table.items()}
 
 
 def _check_names(config: ModelConfig, table: dict, names) -> None:
@@ -193,9 +165,6 @@ class SafetensorsShards:
     def __iter__(self):
         return iter(self._files)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._files
-
     def read(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
         with self._open(self._files[name], framework="pt") as h:
             part = h.get_slice(name)
@@ -210,9 +179,6 @@ class _WholeTensors:
 
     def __iter__(self):
         return iter(self.tensors)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
 
     def read(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
         t = self.tensors[name]

@@ -100,8 +100,3 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"sampling_params has unknown field(s): {', '.join(unknown)}")
         return cls(**d)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["stop_token_ids"] = list(self.stop_token_ids)
-        return out

@@ -40,12 +40,12 @@ class PrefillAdder:
         chunk_size: int | None,
         max_reqs: int,
         free_rows: int,
-        pending_keys: dict[tuple, int] | None = None,
-        host: HostTier | None = None,
+        pending_keys: dict[tuple, int],
+        host: HostTier | None,
     ):
         self.tree, self.allocator, self.page_size = tree, allocator, page_size
         self.host = host
-        self.pending_keys = {} if pending_keys is None else pending_keys
+        self.pending_keys = pending_keys
         self.rem_input = max_prefill_tokens
         self.rem_chunk = chunk_size  # None: no chunking
         self.rem_reqs = min(max_reqs, free_rows)
@@ -148,15 +148,12 @@ class PrefillAdder:
             budget = (prefix + budget) // ps * ps - prefix  # a cut ends on a page boundary
         return max(budget, 0)
 
-    def _pages(self, req: Req, n: int) -> int:
-        return self.allocator.pages_needed(req.prefix_len, req.prefix_len + n)
-
     def _take(self, req: Req, n: int) -> None:
         if n <= 0:
             return
         req.fill_ids = req.origin_input_ids[: req.prefix_len + n]
         req.is_chunked = not req.is_last_chunk()
-        self.reserved_pages += self._pages(req, n)
+        self.reserved_pages += self.allocator.pages_needed(req.prefix_len, req.prefix_len + n)
         self.rem_input -= n
         if self.rem_chunk is not None:
             self.rem_chunk -= n

@@ -24,11 +24,6 @@ class ScheduleBatch:
     return_logits: bool = False
     fill_lens: list[int] = field(default_factory=list)  # each req's KV end after this batch
     new_tokens: int = 0  # tokens computed by this batch
-    cached_tokens: int = 0  # tokens of first-admitted requests served from the cache
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.reqs)
 
     def copy(self) -> ScheduleBatch:
         """Shallow: result processing keeps the same Req objects (and the same list)."""

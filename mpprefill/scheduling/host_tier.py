@@ -114,7 +114,6 @@ class HostTier:
             self._swa_writer = torch.zeros(num_swa_pages, dtype=torch.int64)
         self.batched_writeback = batched_writeback
         self.metrics = metrics or SchedulerMetrics()
-        self.writeback_calls = 0  # gathers (each followed by one copy) issued by write_back
         self._held: deque[_Held] = deque()  # write-backs in flight, oldest first
         self._loads: list[Future] = []  # loads not yet waited for
         # (finishing requests, copy-thread seconds) of each retired write-back
@@ -293,7 +292,6 @@ class HostTier:
             self.tree.inc_lock_ref(node)
         future = self.store.write(self.kv, full, entries, swa, swa_entries)
         self._held.append(_Held(future, nodes, len(plans)))
-        self.writeback_calls += 1
 
     # ---- retire, check --------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ class InvariantError(AssertionError):
     pass
 
 
-def check_drained(s: Scheduler, flush: bool = False) -> dict[str, int]:
+def check_drained(s: Scheduler, flush: bool = False) -> None:
     """Pools, cache and queues after a drain; with flush, the cache is emptied first."""
     _check_idle(s)
     s.req_pool.check()
@@ -28,7 +28,6 @@ def check_drained(s: Scheduler, flush: bool = False) -> dict[str, int]:
     _check_pools(s.allocator, s.tree)
     if flush:
         _check_flush(s.allocator, s.tree)
-    return {"free_tokens": s.allocator.available_size(), "cached_tokens": s.tree.total_size()}
 
 
 def _check_idle(s: Scheduler) -> None:

@@ -104,7 +104,7 @@ class Lifecycle:
             if req in queue:
                 queue.remove(req)
                 req.sender.abort()
-                self.fail(req, reason, release=False)
+                self.finish(req, reason)
                 return True
         if req.status == ReqStatus.TRANSFERRING:
             req.sender.abort()  # the inflight queue releases it, then replies
@@ -115,22 +115,15 @@ class Lifecycle:
             self.release_aborted(req)
         return True
 
-    def fail_all(self, reason: str) -> int:
+    def fail_all(self, reason: str) -> None:
         """The worker is gone: every live request gets an error; pools are abandoned."""
-        reqs = list(self.live.values())
         self.pending_prefix_keys.clear()
-        for req in reqs:
+        for req in list(self.live.values()):
             if req.sender is not None:
                 req.sender.abort()
             self.finish(req, reason)
         self.bootstrap_queue, self.waiting, self.inflight_queue = [], deque(), []
         self.chunked_req = None
-        return len(reqs)
-
-    def fail(self, req: Req, reason: str, release: bool = True) -> None:
-        if release and req.req_pool_idx is not None:
-            self.release_aborted(req)
-        self.finish(req, reason)
 
     def finish(self, req: Req, error: str | None = None) -> None:
         if req.finished:

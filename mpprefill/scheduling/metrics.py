@@ -102,17 +102,10 @@ class SchedulerMetrics:
         self.prompt_tokens += req.prompt_len
         self.cached_tokens += req.cached_tokens
 
-    @property
-    def uncached_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
-
     def to_dict(self) -> dict:
         mb = self.mailbox_bytes
         return {
-            "mailbox_bytes_per_batch": {
-                "mean": sum(mb) / len(mb) if mb else 0.0,
-                "max": max(mb, default=0),
-            },
+            "mailbox_bytes_per_batch": {"mean": _mean(mb), "max": max(mb, default=0)},
             "num_batches": self.num_batches,
             "forward_s": self.forward_s,
             "device_s": self.device_s,

@@ -41,7 +41,6 @@ class Req:
     inflight_middle_chunks: int = 0
     is_chunked: bool = False
     cached_tokens: int = 0  # prompt tokens served from a cache at first admission
-    first_admitted: bool = False
     prefix_key: tuple | None = None  # its first uncached page while being computed
     # transfer state
     sender: Any = None

@@ -136,7 +136,7 @@ class Scheduler:
             try:
                 self.add_request(req)
             except ValueError as e:
-                self.reqs.fail(req, str(e), release=False)
+                self.reqs.finish(req, str(e))
 
     def pop_bootstrapped(self) -> None:
         self.transfer.raise_if_dead()  # no request could leave: the server must not go on
@@ -145,17 +145,17 @@ class Scheduler:
             state = req.sender.poll()
             if state == KVPoll.WaitingForInput:
                 req.start_send_idx = req.sender.pop_decode_prefix_len()
-                req.sender.init(self._num_pages(req.prompt_len - req.start_send_idx))
+                req.sender.init(cdiv(req.prompt_len - req.start_send_idx, self.page_size))
                 req.status = ReqStatus.WAITING
                 self.reqs.waiting.append(req)
             elif state == KVPoll.Failed:
                 self.metrics.num_bootstrap_failed += 1
                 reason = f"bootstrap failed: {req.sender.failure_reason()}"
-                self.reqs.fail(req, reason, release=False)
+                self.reqs.finish(req, reason)
             elif now - req.arrival_time > self.args.bootstrap_timeout:
                 self.metrics.num_bootstrap_failed += 1
                 req.sender.abort()
-                self.reqs.fail(req, "bootstrap timed out", release=False)
+                self.reqs.finish(req, "bootstrap timed out")
             else:
                 keep.append(req)
         self.reqs.bootstrap_queue = keep
@@ -225,9 +225,6 @@ class Scheduler:
         fb = build_forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows)
         add_swa_slots(self.allocator, fb)
         self.batch_seq += 1
-        first = [r for r in reqs if not r.first_admitted]
-        for r in first:
-            r.first_admitted = True
         return ScheduleBatch(
             seq=self.batch_seq,
             reqs=reqs,
@@ -239,7 +236,6 @@ class Scheduler:
             delay_sample=self.args.delay_sampling,
             return_logits=any(r.return_logits for r in reqs),
             new_tokens=len(input_ids),
-            cached_tokens=sum(r.cached_tokens for r in first),
         )
 
     def _ensure_row(self, req: Req) -> None:
@@ -259,9 +255,6 @@ class Scheduler:
         if out is None:
             raise RuntimeError("KV allocation failed although the adder reserved it")
         return out
-
-    def _num_pages(self, n_tokens: int) -> int:
-        return cdiv(n_tokens, self.page_size)
 
     # ---- forward hand-off ----------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from tests.scheduling.test_host_store_tier import Device, only_on_the_host
 def hold(tier) -> threading.Event:
     """Keep the copy thread busy until the returned gate is set (10 s at most)."""
     gate = threading.Event()
-    tier.store.copier.submit_call(lambda: gate.wait(10))
+    tier.store.copier.load([], before=lambda: gate.wait(10))
     return gate
 
 
@@ -100,4 +100,4 @@ def test_a_failed_load_raises_on_the_scheduler_thread_and_close_still_ends():
         tier.wait_loads()
     tier.close()  # ends, and the copy thread with it
     with pytest.raises(RuntimeError):
-        tier.store.copier.submit_call(lambda: None)
+        tier.store.copier.load([])

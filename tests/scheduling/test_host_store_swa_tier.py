@@ -112,14 +112,15 @@ def test_write_back_stores_full_pages_and_the_last_window_of_swa():
     # and before page 10, where the second and third prompts left the first one's chain
     shared = host_swa_pages(tier, system())
     assert shared == [8, 9]
-    assert tier.store.held_swa_tokens() == (3 * 2 + 2 + 2) * PS
-    assert tier.store.held_tokens() == (10 + 3 * 2 + 3) * PS
+    swa_pages = tier.store.swa_pages
+    assert swa_pages.num_pages - swa_pages.num_free_pages == 3 * 2 + 2 + 2
+    assert len(tier.store.index) == 10 + 3 * 2 + 3
 
 
 def test_batched_swa_staging_is_one_write_and_byte_identical_to_per_request():
     _, batched, reqs = written_back(True)
     _, single, _ = written_back(False)
-    assert batched.writeback_calls == 1 and single.writeback_calls == len(reqs)
+    assert len(batched.staging_log) == 1 and len(single.staging_log) == len(reqs)
     for tier in (batched, single):
         entries = sorted(tier.store.index.entries(), key=lambda e: e.page)
         assert [e.page for e in entries] == sorted(e.page for e in entries)

@@ -72,7 +72,7 @@ def written_back_store(batched: bool) -> tuple[HostTier, list[Req], int]:
         assert len(held) * PS == committed
         device = dev.kv.gather(req.prefix_indices[:committed])
         assert torch.equal(tier.store.kv.gather(tier.store.slots_of(held)), device)
-    return tier, reqs, tier.writeback_calls
+    return tier, reqs, len(tier.staging_log)
 
 
 def test_batched_writeback_is_one_write_and_byte_identical_to_per_request():
@@ -87,7 +87,7 @@ def test_batched_writeback_is_one_write_and_byte_identical_to_per_request():
     a, b = (t.store.kv.gather(held).view(torch.uint8) for t in (batched, single))
     assert torch.equal(a, b)
     system, own, other = 3 * PS, 2 * PS, 2 * PS  # system pages are planned once
-    assert batched.store.held_tokens() == system + 3 * own + other
+    assert len(batched.store.index) * PS == system + 3 * own + other
 
 
 def test_host_pages_load_into_the_device_and_join_the_tree():
@@ -143,7 +143,7 @@ def test_flush_waits_for_the_write_backs_in_flight_then_drops_the_store():
     tier = dev.tier()
     reqs = [dev.finish(p) for p in prompts()]
     gate = threading.Event()
-    tier.store.copier.submit_call(lambda: gate.wait(10))  # the copy thread is busy
+    tier.store.copier.load([], before=lambda: gate.wait(10))  # the copy thread is busy
     tier.write_back(reqs)
     for req in reqs:
         dev.release(req)
@@ -157,7 +157,7 @@ def test_flush_waits_for_the_write_backs_in_flight_then_drops_the_store():
     flusher.join(10)
     system, own, other = 3 * PS, 2 * PS, 2 * PS
     assert flushed == [system + 3 * own + other]
-    assert tier.store.held_tokens() == 0 and tier.store.writes_in_flight == 0
+    assert len(tier.store.index) == 0 and tier.store.writes_in_flight == 0
     assert dev.tree.protected_size() == 0  # the write-back's locks went with it
     assert tier.match_prefix(prompts()[0], 5 * PS, lambda: 100, partial=False)[1] == 0
     tier.check()

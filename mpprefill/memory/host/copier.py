@@ -27,7 +27,6 @@ the scheduler's Python; on CUDA a thread waits on its stream's event, never the 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -107,8 +106,6 @@ class HostCopier:
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="host-kv-load")
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="host-kv-write")
         self._last_load: Future | None = None  # the write lane's barrier
-        self._busy = threading.Lock()
-        self.busy_s = 0.0  # seconds both threads spent copying (read on the scheduler thread)
 
     def load(self, copies: list[SlotCopy], before: Callable[[], None] | None = None) -> Future:
         """Host-to-device copies, after `before` (a fence wait) and every load submitted
@@ -126,12 +123,6 @@ class HostCopier:
         if last is None or last.done():
             return None
         return lambda: wait([last])  # NOTE: a failed load raises on its own future
-
-    def submit_call(self, fn: Callable[[], object]) -> Future:
-        """Run fn on the load lane; every copy submitted after it, either lane, waits for
-        it (a test holds the copies with it)."""
-        self._last_load = self._loads.submit(fn)
-        return self._last_load
 
     def drain(self) -> None:
         """Block until every copy submitted so far, either lane, has run."""
@@ -152,10 +143,7 @@ class HostCopier:
             self._copy(copy)
             if done is not None:
                 done()
-        took = time.perf_counter() - t0
-        with self._busy:
-            self.busy_s += took
-        return took
+        return time.perf_counter() - t0
 
     def _copy(self, c: SlotCopy) -> None:
         n = len(c.src_slots)

@@ -108,14 +108,6 @@ class HostKVStore:
     def writes_in_flight(self) -> int:
         return len(self._writes)
 
-    def held_tokens(self) -> int:
-        return len(self.index) * self.page_size
-
-    def held_swa_tokens(self) -> int:
-        return (
-            0 if self.swa_pages is None else self.swa_pages.size - self.swa_pages.available_size()
-        )
-
     def match(self, token_ids: Sequence[int]) -> list[HostPage]:
         """Ready entries of the leading whole pages of token_ids."""
         return self.index.walk(token_ids, ready_only=True)

@@ -31,7 +31,7 @@ def tokens(tag: int, num_pages: int) -> list[int]:
 
 def hold(store: HostKVStore, gate: threading.Event) -> None:
     """Keep the copy thread busy until gate is set (10 s at most, so a failure cannot hang)."""
-    store.copier.submit_call(lambda: gate.wait(10))
+    store.copier.load([], before=lambda: gate.wait(10))
 
 
 def write(store: HostKVStore, kv: KVCache, ids: list[int], device_slots: torch.Tensor):
@@ -68,7 +68,7 @@ def test_shared_prefix_is_stored_once_and_loads_back():
     first, host_slots, _ = write(store, kv, b, torch.arange(16, 32))
     assert first == 2 and len(host_slots) == 2 * PS  # only b's own pages
     store.retire(wait=True)
-    assert len(store.match(b)) == 4 and store.held_tokens() == 5 * PS
+    assert len(store.match(b)) == 4 and len(store.index) == 5
     target = torch.arange(40, 56)
     store.load(store.match(b), kv, target).result()
     expect = torch.cat([torch.arange(8), torch.arange(24, 32)])
@@ -206,7 +206,7 @@ def test_flush_drops_every_page_once_the_copies_in_flight_ran():
     gate.set()
     flusher.join(10)
     assert load.done() and flushed == [3 * PS]
-    assert store.held_tokens() == 0 and store.match(tokens(1, 3)) == []
+    assert len(store.index) == 0 and store.match(tokens(1, 3)) == []
     assert store.pages.num_free_pages == store.pages.num_pages
     store.check()
     write(store, kv, tokens(1, 3), torch.arange(12))  # the store works on after a flush
