@@ -225,7 +225,7 @@ class PrefillServer:
         """SGLang's flush: the prefix cache (and the host tier under it) is dropped only
         while no request is live; the tokens dropped per tier."""
         s = self.scheduler
-        busy = len(s.reqs.live) + len(s.reqs.incoming) + len(self._arriving)
+        busy = self._queued()
         if busy or s.forwards_in_flight or s.reqs.chunked_req is not None:
             return False, f"cache not flushed: {busy} requests are not finished", {}
         flushed = s.flush_caches()
