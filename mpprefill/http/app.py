@@ -104,7 +104,7 @@ class HttpFront:
             output.extend(new[:room])
             if not first:
                 first.append(time.perf_counter() - t0)
-                self.metrics.on_first_token(first[0])
+                self.metrics.ttft.observe(first[0])
             on_output(list(output))
 
         try:
@@ -112,7 +112,7 @@ class HttpFront:
             latency = time.perf_counter() - t0
             out = bodies.generate_reply(item, reply, latency, self.tokenizer)
         except HttpError:
-            self.metrics.on_failed()
+            self.metrics.failed.inc()
             raise
         self.metrics.on_done(out["meta_info"], latency, bool(first))
         return out
