@@ -20,11 +20,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mpprefill.http.errors import ABORTED, bad_request, from_reply, is_abort
+from mpprefill.http.errors import bad_request, from_reply, is_abort
 from mpprefill.http.link import Bootstrap
 from mpprefill.http.tokenizer import TextTokenizer
 from mpprefill.sampling.params import SamplingParams
-from mpprefill.server.protocol import MAX_HOST_CHARS, MAX_RID_CHARS, MAX_ROOM
+from mpprefill.server.protocol import ABORTED, MAX_HOST_CHARS, MAX_RID_CHARS, MAX_ROOM
 
 # SGLang's defaults where the protocol's differ (it samples at temperature 1 unless told).
 SGLANG_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}

@@ -20,9 +20,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mpprefill.http.errors import UNKNOWN_RID
 from mpprefill.server import protocol
-from mpprefill.server.protocol import Code
+from mpprefill.server.protocol import UNKNOWN_RID, Code
 
 logger = logging.getLogger(__name__)
 

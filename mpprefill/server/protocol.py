@@ -75,6 +75,12 @@ class Code:
     UNAVAILABLE = 503
 
 
+ABORTED = "aborted by client"  # the reason of a request its client aborted
+# NOTE: the only reason of an abort's own reply (a rid that client has not in flight); no
+# generate ever fails with it, so a front drops it instead of routing it to a request.
+UNKNOWN_RID = "unknown rid"
+
+
 class ProtocolError(ValueError):
     """A frame the server will not act on; `rid` is set when one could be read."""
 
