@@ -310,7 +310,7 @@ def _of_bound(run: dict) -> str:
     return f"{of_bound(run):.2f}"
 
 
-def _rel(run: dict | None, other: dict | None) -> str:
-    if run is None or other is None:
+def _rel(run: dict | None, other: dict) -> str:
+    if run is None:
         return "-"
     return f"{run['uncached_itps'] / other['uncached_itps']:.2f}"
