@@ -28,6 +28,7 @@ The server's ROUTER (`bind_server_socket`), and why each limit is there:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -226,18 +227,8 @@ def _start_profile(obj: dict[str, Any], rid: str | None) -> StartProfile:
     return StartProfile(rid, out, steps, tuple(acts))
 
 
-_GENERATE_FIELDS = frozenset(
-    (
-        "type",
-        "rid",
-        "input_ids",
-        "sampling_params",
-        "bootstrap_room",
-        "bootstrap_host",
-        "bootstrap_port",
-        "stream",
-    )
-)
+# A generate frame holds its type and Generate's fields, under their names.
+_GENERATE_FIELDS = frozenset(("type", *(f.name for f in dataclasses.fields(Generate))))
 _PARSERS = {
     "generate": _generate,
     "abort": _abort,
