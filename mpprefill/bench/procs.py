@@ -40,8 +40,8 @@ class Child:
     log_path: str
     http_port: int | None = None  # serve's HTTP front, where it runs one
 
-    def stop(self, timeout: float = 10.0) -> int:
-        return terminate(self.proc, timeout)
+    def stop(self) -> int:
+        return terminate(self.proc)
 
     def shm_left(self) -> list[str]:
         """Segments of this process still in /dev/shm (its own and its children's)."""
@@ -63,7 +63,7 @@ SERVE_SOCKET_FLAGS = ("--disable-http-front", "--zmq-port")
 
 
 def _start(
-    name: str, flags: list[str], log_dir: str, timeout: float, probe, port_flags=("--port",)
+    name: str, flags: list[str], log_dir: str, timeout: float, probe, port_flags: tuple[str, ...]
 ) -> Child:
     """Spawn `mpprefill name` with its socket on a free port, then call probe(client) until
     it stops timing out."""
@@ -87,10 +87,10 @@ def start_server(
     """`mpprefill serve` on a free --zmq-port; with `http`, its HTTP front on a free --port
     too, ready once /health answers."""
     if not http:
-        probe = lambda client: client.stats(timeout=1.0)  # noqa: E731
+        probe = lambda client: client.stats(timeout=1.0)
         return _start("serve", flags, log_dir, timeout, probe, SERVE_SOCKET_FLAGS)
     http_port = free_port()
-    probe = lambda client: client.stats(timeout=1.0) and _http_health(http_port)  # noqa: E731
+    probe = lambda client: client.stats(timeout=1.0) and _http_health(http_port)
     flags = [*flags, "--port", str(http_port)]
     child = _start("serve", flags, log_dir, timeout, probe, ("--zmq-port",))
     child.http_port = http_port

@@ -50,15 +50,14 @@ def grid(results: list[dict]) -> tuple[list[str], list[int], dict[tuple[str, int
 
 
 def plot_regime_map(results: list[dict], path: str) -> None:
-    """A heat map of proc-ahead / thread-ahead uncached ITPS over the grid (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """A heat map of proc-ahead / thread-ahead uncached ITPS over the grid (PNG), drawn as
+    the timeline is: matplotlib's Figure on its Agg canvas, no pyplot."""
+    from matplotlib.figure import Figure
 
     models, chunks, cells = grid(results)
     values = [[_pa_over_ta(cells[(m, c)]) for c in chunks] for m in models]
-    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(chunks), 1.4 + 0.9 * len(models)))
+    fig = Figure(figsize=(2.2 + 1.6 * len(chunks), 1.4 + 0.9 * len(models)))
+    ax = fig.subplots()
     image = ax.imshow(values, cmap="RdYlGn", vmin=0.75, vmax=1.75)
     ax.set_xticks(range(len(chunks)), [f"{c} tokens" for c in chunks])
     ax.set_xlabel("new tokens per batch (chunked prefill size)")
@@ -78,7 +77,6 @@ def plot_regime_map(results: list[dict], path: str) -> None:
     fig.colorbar(image, ax=ax, shrink=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _pa_over_ta(res: dict) -> float:

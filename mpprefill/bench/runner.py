@@ -8,10 +8,10 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
+import numpy as np
 import zmq
 from tqdm import tqdm
 
-from mpprefill.bench import stats
 from mpprefill.bench.http_bridge import HttpBridge
 from mpprefill.bench.procs import Child, start_decode, start_server
 from mpprefill.bench.router import ReqResult, Router
@@ -195,8 +195,8 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
         "num_unverified": sum(1 for r in done if r.verified is False),
         "duration_s": duration,
         "ttft_ms": {
-            "p50": stats.percentile(ttft, 50) if ttft else 0.0,
-            "p99": stats.percentile(ttft, 99) if ttft else 0.0,
+            "p50": float(np.percentile(ttft, 50)) if ttft else 0.0,
+            "p99": float(np.percentile(ttft, 99)) if ttft else 0.0,
         },
         "worker_busy_frac": fwd_s / duration,
         "num_batches": batches,
@@ -209,7 +209,7 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
         "device_busy_frac": device_s / duration,
         "t_collective_ms": collective_s / max(batches, 1) * 1e3,
         "collective_share": collective_s / device_s if device_s > 0 else 0.0,
-        "handoff_gap_ms": stats.percentile(gaps, 50) if gaps else 0.0,
+        "handoff_gap_ms": float(np.percentile(gaps, 50)) if gaps else 0.0,
         "handoff_batches": len(gaps),
         "phase_ms_per_batch": {p: s / max(batches, 1) * 1e3 for p, s in phase_s.items()},
         "uncached_tokens": prompt - cached,

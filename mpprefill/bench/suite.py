@@ -58,8 +58,8 @@ def run_bench(
         f"logs in {cfg.log_dir}",
         file=sys.stderr,
     )
-    repeats = max(1, getattr(args, "repeats", 1))
-    fronts = ("zmq", "http") if getattr(args, "front", "zmq") == "http" else ("zmq",)
+    repeats = max(1, args.repeats)
+    fronts = ("zmq", "http") if args.front == "http" else ("zmq",)
     trials: dict[tuple[str, str], list[dict]] = {(m, f): [] for m in modes for f in fronts}
     bounds = []
     for _ in range(repeats):  # modes interleaved, so drift in the machine hits all alike
@@ -244,7 +244,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
         ]
     results = [run_bench(ns, server, label=label) for label, ns, server in points]
     print(format_sweep(results))
-    if getattr(args, "heatmap", None) and base.device == "emulated":
+    if args.heatmap and base.device == "emulated":
         plot_regime_map(results, args.heatmap)
         print(f"regime map: {args.heatmap}", file=sys.stderr)
     return {"points": results}
@@ -310,7 +310,7 @@ def _of_bound(run: dict) -> str:
     return f"{of_bound(run):.2f}"
 
 
-def _rel(run: dict | None, other: dict | None) -> str:
-    if run is None or other is None:
+def _rel(run: dict | None, other: dict) -> str:
+    if run is None:
         return "-"
     return f"{run['uncached_itps'] / other['uncached_itps']:.2f}"

@@ -104,7 +104,7 @@ class HttpFront:
             output.extend(new[:room])
             if not first:
                 first.append(time.perf_counter() - t0)
-                self.metrics.on_first_token(first[0])
+                self.metrics.ttft.observe(first[0])
             on_output(list(output))
 
         try:
@@ -112,7 +112,7 @@ class HttpFront:
             latency = time.perf_counter() - t0
             out = bodies.generate_reply(item, reply, latency, self.tokenizer)
         except HttpError:
-            self.metrics.on_failed()
+            self.metrics.failed.inc()
             raise
         self.metrics.on_done(out["meta_info"], latency, bool(first))
         return out
@@ -170,20 +170,16 @@ class HttpFront:
     # ---- the other routes ----------------------------------------------------------------
 
     async def health(self) -> Response:
-        try:
-            await self.link.stats(self.args.health_timeout)
-        except NoReply as e:
-            raise HttpError(503, str(e)) from None
+        await _answer(self.link.stats(self.args.health_timeout))
         return Response(status_code=200)
 
     async def health_generate(self) -> Response:
         """A one-token greedy generate of token 0."""
         rid = f"health-{uuid.uuid4().hex}"
-        try:
-            sampling = {"temperature": 0.0, "max_new_tokens": 1}
-            reply = await self.link.generate(rid, [0], sampling, None, self.args.health_timeout)
-        except NoReply as e:
-            raise HttpError(503, str(e)) from None
+        sampling = {"temperature": 0.0, "max_new_tokens": 1}
+        reply = await _answer(
+            self.link.generate(rid, [0], sampling, None, self.args.health_timeout)
+        )
         if reply.get("status") != "done":
             raise HttpError(503, f"generate failed: {reply.get('error')}")
         return Response(status_code=200)
@@ -197,10 +193,7 @@ class HttpFront:
 
     async def server_info(self) -> dict[str, Any]:
         """The front's settings, and the scheduler's stats as SGLang's `internal_states`."""
-        try:
-            stats = await self.link.stats(self.args.health_timeout)
-        except NoReply as e:
-            raise HttpError(503, str(e)) from None
+        stats = await _answer(self.link.stats(self.args.health_timeout))
         stats = {k: v for k, v in stats.items() if k not in ("rid", "status")}
         return {**dataclasses.asdict(self.args), "internal_states": [stats]}
 
@@ -256,13 +249,18 @@ class HttpFront:
 
     async def _control(self, kind: str, **fields: Any) -> dict[str, Any]:
         """The scheduler's reply to a control message; its error replies as HttpError."""
-        try:
-            reply = await self.link.control(kind, self.args.request_timeout, **fields)
-        except NoReply as e:
-            raise HttpError(503, str(e)) from None
+        reply = await _answer(self.link.control(kind, self.args.request_timeout, **fields))
         if reply.get("status") == "error":
             raise HttpError(400, str(reply.get("error")))
         return reply
+
+
+async def _answer(request: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """The scheduler's reply to `request`; 503 where none came in time."""
+    try:
+        return await request
+    except NoReply as e:
+        raise HttpError(503, str(e)) from None
 
 
 async def read_json(request: Request, limit: int, empty: Any = None) -> Any:

@@ -20,11 +20,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mpprefill.http.errors import ABORTED, bad_request, from_reply, is_abort
+from mpprefill.http.errors import bad_request, from_reply, is_abort
 from mpprefill.http.link import Bootstrap
 from mpprefill.http.tokenizer import TextTokenizer
 from mpprefill.sampling.params import SamplingParams
-from mpprefill.server.protocol import MAX_HOST_CHARS, MAX_RID_CHARS, MAX_ROOM
+from mpprefill.server.protocol import ABORTED, MAX_HOST_CHARS, MAX_RID_CHARS, MAX_ROOM
 
 # SGLang's defaults where the protocol's differ (it samples at temperature 1 unless told).
 SGLANG_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
@@ -42,13 +42,7 @@ class GenerateItem:
     sampling_params: dict[str, Any]  # the protocol's keys only, validated
     max_new_tokens: int  # SGLang's: 0 is allowed (no output token)
     skip_special_tokens: bool
-    bootstrap_room: int | None
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-
-    @property
-    def bootstrap(self) -> Bootstrap:
-        return Bootstrap(self.bootstrap_room, self.bootstrap_host, self.bootstrap_port)
+    bootstrap: Bootstrap
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +145,7 @@ def _item(prompt: str | list[int], rid: str, sampling: Any, boot: Bootstrap) -> 
     text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
     skip = sampling.get("skip_special_tokens", True)
     wire = _wire_sampling(sampling, max_new)
-    return GenerateItem(
-        rid, text, ids, wire, max_new, skip is not False, boot.room, boot.host, boot.port
-    )
+    return GenerateItem(rid, text, ids, wire, max_new, skip is not False, boot)
 
 
 def _wire_sampling(sampling: dict, max_new: int) -> dict[str, Any]:
@@ -180,14 +172,12 @@ def tokenize(items: list[GenerateItem], tokenizer: TextTokenizer | None) -> list
     if tokenizer is None:
         raise bad_request("text input needs a tokenizer; this front has none: send input_ids")
     encoded = iter(tokenizer.encode(texts))
-    out = [it if it.text is None else _with_ids(it, next(encoded)) for it in items]
+    out = [
+        it if it.text is None else dataclasses.replace(it, input_ids=next(encoded)) for it in items
+    ]
     if any(not it.input_ids for it in out):
         raise bad_request("a text encodes to no tokens")
     return out
-
-
-def _with_ids(item: GenerateItem, ids: list[int]) -> GenerateItem:
-    return dataclasses.replace(item, input_ids=ids)
 
 
 def generate_reply(

@@ -21,12 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpprefill.server.protocol import Code
+from mpprefill.server.protocol import ABORTED, Code
 
-ABORTED = "aborted by client"  # the scheduler's reason for a request /abort_request ended
-# NOTE: the scheduler's only reply to an abort of a rid it does not hold; no generate ever
-# fails with it, so the link drops it instead of routing it to a request of that rid.
-UNKNOWN_RID = "unknown rid"
 _STATUSES = frozenset((400, 413, 429, 500, 503))
 
 _BY_PREFIX: tuple[tuple[str, int], ...] = (

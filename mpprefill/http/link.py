@@ -20,9 +20,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mpprefill.http.errors import UNKNOWN_RID
 from mpprefill.server import protocol
-from mpprefill.server.protocol import Code
+from mpprefill.server.protocol import UNKNOWN_RID, Code
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +77,14 @@ class SchedulerLink:
         rid: str,
         input_ids: list[int],
         sampling_params: dict[str, Any],
-        bootstrap: Bootstrap | int | None,
+        bootstrap: Bootstrap | None,
         timeout: float,
         on_partial: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """The server's final reply (done or error). With `on_partial`, the request is sent
         as streamed and each partial reply before it goes to `on_partial`. A request
-        cancelled or timed out here is aborted there. `bootstrap`: a Bootstrap, or a room."""
-        if not isinstance(bootstrap, Bootstrap):
-            bootstrap = Bootstrap(bootstrap)
+        cancelled or timed out here is aborted there."""
+        bootstrap = bootstrap or Bootstrap()
         frame = protocol.generate_frame(
             rid,
             input_ids,

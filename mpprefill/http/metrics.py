@@ -42,6 +42,10 @@ class FrontMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, names, registry=self.registry).labels(**self.labels)
 
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            hist = Histogram(name, doc, names, buckets=buckets, registry=self.registry)
+            return hist.labels(**self.labels)
+
         self.prompt_tokens = counter(
             "sglang:prompt_tokens_total", "Prompt tokens of requests done."
         )
@@ -54,25 +58,16 @@ class FrontMetrics:
         self.requests = counter("sglang:num_requests_total", "Requests done.")
         self.aborted = counter("sglang:num_aborted_requests_total", "Requests aborted.")
         self.failed = counter("mpprefill:num_failed_requests_total", "Requests that failed.")
-        self.ttft = Histogram(
-            "sglang:time_to_first_token_seconds",
-            "Time to first token in seconds.",
-            names,
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
-        ).labels(**self.labels)
-        self.e2e = Histogram(
+        self.ttft = histogram(
+            "sglang:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.e2e = histogram(
             "sglang:e2e_request_latency_seconds",
             "End-to-end request latency in seconds.",
-            names,
-            buckets=E2E_BUCKETS,
-            registry=self.registry,
-        ).labels(**self.labels)
+            E2E_BUCKETS,
+        )
         self.scheduler = SchedulerCollector(self.labels)
         self.registry.register(self.scheduler)
-
-    def on_first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
 
     def on_done(self, meta: dict[str, Any], seconds: float, saw_first_token: bool) -> None:
         """A prompt answered with a body: `meta` is its meta_info."""
@@ -86,9 +81,6 @@ class FrontMetrics:
         self.e2e.observe(seconds)
         if not saw_first_token and meta["completion_tokens"] > 0:
             self.ttft.observe(seconds)
-
-    def on_failed(self) -> None:
-        self.failed.inc()
 
 
 class SchedulerCollector:

@@ -47,13 +47,6 @@ class HttpFrontProcess:
         self.proc = subprocess.Popen(front_command(args), stdin=subprocess.DEVNULL)
         logger.info("HTTP front (pid %d) on %s:%d", self.proc.pid, args.host, args.port)
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def exit_code(self) -> int | None:
-        return self.proc.poll()
-
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()

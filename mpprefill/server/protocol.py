@@ -28,6 +28,7 @@ The server's ROUTER (`bind_server_socket`), and why each limit is there:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -73,6 +74,12 @@ class Code:
     ABORTED = 499
     INTERNAL = 500
     UNAVAILABLE = 503
+
+
+ABORTED = "aborted by client"  # the reason of a request its client aborted
+# NOTE: the only reason of an abort's own reply (a rid that client has not in flight); no
+# generate ever fails with it, so a front drops it instead of routing it to a request.
+UNKNOWN_RID = "unknown rid"
 
 
 class ProtocolError(ValueError):
@@ -220,18 +227,8 @@ def _start_profile(obj: dict[str, Any], rid: str | None) -> StartProfile:
     return StartProfile(rid, out, steps, tuple(acts))
 
 
-_GENERATE_FIELDS = frozenset(
-    (
-        "type",
-        "rid",
-        "input_ids",
-        "sampling_params",
-        "bootstrap_room",
-        "bootstrap_host",
-        "bootstrap_port",
-        "stream",
-    )
-)
+# A generate frame holds its type and Generate's fields, under their names.
+_GENERATE_FIELDS = frozenset(("type", *(f.name for f in dataclasses.fields(Generate))))
 _PARSERS = {
     "generate": _generate,
     "abort": _abort,

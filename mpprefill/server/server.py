@@ -26,7 +26,7 @@ from mpprefill.scheduling.stats import scheduler_stats
 from mpprefill.server import protocol, signals
 from mpprefill.server.http_front import HttpFrontProcess
 from mpprefill.server.profiling import RuntimeProfiler
-from mpprefill.server.protocol import Code
+from mpprefill.server.protocol import ABORTED, UNKNOWN_RID, Code
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker.api import WorkerDied
@@ -37,8 +37,6 @@ MAX_FRAMES_PER_POLL = protocol.REQUEST_HWM
 # Bytes one poll reads before the scheduler validates what it read (one frame may cross it).
 MAX_BYTES_PER_POLL = protocol.MAX_FRAME_BYTES
 DROP_LOG_EVERY = 1000  # past the first few, one log line per this many drops or bad frames
-ABORTED = "aborted by client"
-UNKNOWN_RID = "unknown rid"  # the reply to an abort of a rid this client has not in flight
 
 
 class PrefillServer:
@@ -225,7 +223,7 @@ class PrefillServer:
         """SGLang's flush: the prefix cache (and the host tier under it) is dropped only
         while no request is live; the tokens dropped per tier."""
         s = self.scheduler
-        busy = len(s.reqs.live) + len(s.reqs.incoming) + len(self._arriving)
+        busy = self._queued()
         if busy or s.forwards_in_flight or s.reqs.chunked_req is not None:
             return False, f"cache not flushed: {busy} requests are not finished", {}
         flushed = s.flush_caches()

@@ -27,7 +27,6 @@ class TraceWindow:
         if tracer.enabled:
             raise RuntimeError("this process already traces (--trace-dir)")
         self.tracer = tracer
-        self.process_name = process_name
         tracer.records = []
         tracer.threads = {}
         tracer.process_name = process_name

@@ -24,8 +24,8 @@ def test_single_body_with_sglang_defaults_and_unknown_keys_ignored():
     )
     assert (body.batch, body.stream) == (False, False)
     (item,) = body.items
-    assert (item.rid, item.input_ids, item.text, item.bootstrap_room) == ("a", [1, 2, 3], None, 11)
-    assert (item.bootstrap_host, item.bootstrap_port) == ("h", None)
+    assert (item.rid, item.input_ids, item.text, item.bootstrap.room) == ("a", [1, 2, 3], None, 11)
+    assert (item.bootstrap.host, item.bootstrap.port) == ("h", None)
     assert item.sampling_params == {
         "temperature": 1.0,
         "top_p": 1.0,
@@ -52,9 +52,9 @@ def test_batch_fans_out_lists_and_single_values():
     assert body.batch and body.stream
     a, b = body.items
     assert (a.text, b.text) == ("x", "y") and a.rid != b.rid
-    assert (a.bootstrap_room, b.bootstrap_room) == (5, 5)
-    assert (a.bootstrap_host, b.bootstrap_host) == ("h1", "h2")
-    assert (a.bootstrap_port, b.bootstrap_port) == (8998, 8998)
+    assert (a.bootstrap.room, b.bootstrap.room) == (5, 5)
+    assert (a.bootstrap.host, b.bootstrap.host) == ("h1", "h2")
+    assert (a.bootstrap.port, b.bootstrap.port) == (8998, 8998)
     assert a.sampling_params["temperature"] == 0
     assert (b.max_new_tokens, b.sampling_params["max_new_tokens"]) == (0, 1)
     assert b.sampling_params["seed"] == 3
