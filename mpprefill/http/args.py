@@ -25,7 +25,7 @@ class HttpArgs:
     health_timeout: float = _f(10.0, "seconds /health waits for the scheduler's stats")
     log_level: str = _f("info", "logging level")
     parent_pid: int | None = _f(
-        None, "exit when this process exits (`mpprefill serve` passes its own pid)"
+        None, "exit when this process exits (`mpprefill serve` and `decode` pass their own pid)"
     )
 
     def __post_init__(self):

@@ -35,7 +35,7 @@ def run_http(args: HttpArgs) -> int:
     from mpprefill.http.app import build_app
 
     if args.parent_pid is not None and not ipc.die_with_parent(args.parent_pid, signal.SIGTERM):
-        logger.warning("the serve process %d is gone; the HTTP front exits", args.parent_pid)
+        logger.warning("the server process %d is gone; the HTTP front exits", args.parent_pid)
         return 1
     tokenizer = load_tokenizer(args)
     logger.info(

@@ -1,5 +1,5 @@
 """`mpprefill serve`: the prefill scheduler behind a ZeroMQ ROUTER (`--zmq-port`), with its
-worker, and the HTTP front process on `--port` (`http_front.py`; `--disable-http-front`
+worker, and the HTTP front process on `--port` (`mpprefill.http.child`; `--disable-http-front`
 for the socket alone).
 
 Socket limits and frame sizes: protocol.py; signals: signals.py. Every request read from
@@ -19,12 +19,12 @@ import zmq
 
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.sender import TransferDied
+from mpprefill.http.child import HttpFrontProcess
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.scheduling.stats import scheduler_stats
 from mpprefill.server import protocol, signals
-from mpprefill.server.http_front import HttpFrontProcess
 from mpprefill.server.profiling import RuntimeProfiler
 from mpprefill.server.protocol import ABORTED, UNKNOWN_RID, Code
 from mpprefill.trace.gc import GcWatch, freeze_heap
@@ -80,7 +80,7 @@ class PrefillServer:
         forward_pid = self.worker.pid if self.mode in ("proc", "proc-ahead") else None
         self.profiler = RuntimeProfiler(forward_pid)
         if not args.disable_http_front:
-            self.front = HttpFrontProcess(args)
+            self.front = HttpFrontProcess(args, args.zmq_port)
 
     # ---- socket side ---------------------------------------------------------------------
 

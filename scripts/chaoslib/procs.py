@@ -94,7 +94,7 @@ def http_fronts(*owners: Child) -> list[int]:
                     cmd = f.read()
             except OSError:
                 continue
-            if b"mpprefill.http" in cmd or b"mpprefill.disagg.decode.front" in cmd:
+            if b"mpprefill.http" in cmd:
                 out.append(pid)
     return out
 

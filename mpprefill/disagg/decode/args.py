@@ -15,8 +15,7 @@ from mpprefill.disagg import wire
 from mpprefill.disagg.backends import DECODE_BACKENDS
 from mpprefill.disagg.decode.delay import TransferDelay
 from mpprefill.flags import _f
-
-WILDCARDS = ("0.0.0.0", "::", "[::]", "*", "")
+from mpprefill.http.child import WILDCARDS
 
 
 def _server(name: str):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,10 +35,10 @@ import zmq
 from mpprefill.disagg import wire
 from mpprefill.disagg.decode.args import DecodeArgs
 from mpprefill.disagg.decode.bootstrap import PrefillLinks
-from mpprefill.disagg.decode.front import spawn_front, stop_front
 from mpprefill.disagg.decode.generate import Generator
 from mpprefill.disagg.decode.receiver import DecodeReceiver, Room
 from mpprefill.disagg.decode.verify import load_decode_model
+from mpprefill.http.child import HttpFrontProcess
 from mpprefill.server import protocol
 
 logger = logging.getLogger(__name__)
@@ -105,7 +104,7 @@ class DecodeServer:
         self.links = PrefillLinks(self.ctx, self.poller, own)
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.rx.sock, zmq.POLLIN)
-        self.front = spawn_front(args, self.zmq_port, os.getpid()) if args.port else None
+        self.front = HttpFrontProcess(args, self.zmq_port) if args.port else None
         logger.info(
             "decode server: requests on %s:%d, receiver on %s, %s",
             args.host,
@@ -163,7 +162,7 @@ class DecodeServer:
         self.sock.close(linger=1000)
         self.ctx.term()
         if self.front is not None:
-            stop_front(self.front)
+            self.front.stop()
 
     # ---- requests ------------------------------------------------------------------------
 

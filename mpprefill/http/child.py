@@ -1,0 +1,77 @@
+"""The HTTP front as a child of the server it fronts (`mpprefill serve` or `mpprefill
+decode`): spawned pointing at that server's ZeroMQ socket, tied to its life, stopped with it.
+
+The front is its own process (`python -m mpprefill.http`) so that HTTP parsing and
+tokenization never take the server's GIL. It is given the server's pid (`--parent-pid`) and
+asks the kernel for SIGTERM when that process exits (PR_SET_PDEATHSIG, `ipc.die_with_parent`),
+so a server killed at once does not leave it serving. This module loads no web framework.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 10.0  # the front's graceful shutdown is 5 s
+WILDCARDS = ("0.0.0.0", "::", "[::]", "*", "")  # hosts that bind every interface
+
+
+class FrontSettings(Protocol):
+    """What the front takes from its server's arguments (ServerArgs and DecodeArgs have it)."""
+
+    host: str
+    port: int
+    log_level: str
+    model_path: str | None
+    tokenizer_path: str | None
+    skip_tokenizer_init: bool
+
+
+def local_address(host: str, port: int) -> str:
+    """Where a process on this host reaches a socket bound to `host:port`."""
+    return f"127.0.0.1:{port}" if host in WILDCARDS else f"{host}:{port}"
+
+
+def front_command(args: FrontSettings, zmq_port: int) -> list[str]:
+    """`python -m mpprefill.http` with the server's HTTP settings, pointed at its socket."""
+    cmd = [sys.executable, "-m", "mpprefill.http"]
+    cmd += ["--zmq-address", local_address(args.host, zmq_port), "--host", args.host]
+    cmd += ["--port", str(args.port), "--parent-pid", str(os.getpid())]
+    cmd += ["--log-level", args.log_level]
+    for flag, value in (
+        ("--model-path", args.model_path),
+        ("--tokenizer-path", args.tokenizer_path),
+    ):
+        if value is not None:
+            cmd += [flag, value]
+    if args.skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    return cmd
+
+
+class HttpFrontProcess:
+    """The spawned front; `stop()` ends it (SIGTERM, then SIGKILL), `kill()` at once."""
+
+    def __init__(self, args: FrontSettings, zmq_port: int):
+        # NOTE: spawn from the server's main thread, which lives as long as the server:
+        # the death signal follows the thread that started the child.
+        self.proc = subprocess.Popen(front_command(args, zmq_port), stdin=subprocess.DEVNULL)
+        logger.info("HTTP front (pid %d) on %s:%d", self.proc.pid, args.host, args.port)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                return self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("the HTTP front did not stop within %gs; killed", STOP_TIMEOUT_S)
+                self.proc.kill()
+        return self.proc.wait(STOP_TIMEOUT_S)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
