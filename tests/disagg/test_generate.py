@@ -3,6 +3,7 @@ token for token equal to transformers' greedy generate; stop rules, pages, seede
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -406,7 +407,7 @@ def test_bad_input_is_refused_and_takes_nothing(model):
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):
     seeded = SamplingParams(temperature=1.0, top_p=0.95, top_k=80, seed=1234, max_new_tokens=14)
     ids = prompts(model.config.vocab_size, (13,), seed=5)[0]
-    alone = _one(model, ids=ids, **seeded.to_dict())
+    alone = _one(model, ids=ids, **dataclasses.asdict(seeded))
 
     kv, allocator = dense_pool(model, 64)
     free_before = allocator.num_free_pages
@@ -427,7 +428,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):
     assert done["seeded"] == alone
     assert allocator.num_free_pages == free_before
 
-    reseeded = seeded.to_dict() | {"seed": 4321}
+    reseeded = dataclasses.asdict(seeded) | {"seed": 4321}
     assert _one(model, ids=ids, **reseeded)[0] != alone[0]  # the seed matters
     greedy = _one(model, ids=ids, max_new_tokens=14)[0]
     assert alone[0] != greedy  # it did sample
