@@ -167,7 +167,7 @@ def test_fence_requires_the_last_writer_of_each_page():
     assert fence.done(3) and not fence.done(5)
     t0 = time.monotonic()
     _later(0.2, lambda: work.forward_done(5))
-    fence.wait_pages(torch.tensor([2]))
+    fence.wait(fence.required(torch.tensor([2])))
     assert time.monotonic() - t0 >= 0.19
 
 
