@@ -99,10 +99,6 @@ class GroupOrder:
     def __init__(self, orders: list[SchedulerOrder]):
         self.orders = orders
 
-    @property
-    def events(self):
-        return self.orders[0].events
-
     def before_write(self, slot: int) -> None:
         for o in self.orders:
             o.before_write(slot)

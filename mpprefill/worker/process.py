@@ -49,7 +49,6 @@ class ProcessWorker(Worker):
         self.args = args
         self.plan = DevicePlan.of(args.device, args.staging)
         self.prefix = ipc.new_prefix(TAG)
-        self.max_reqs = args.max_running_requests
         self._pending: deque[ForwardInput] = deque()
         self._kv: KVCache | None = None
         self._sentinel: GroupSentinel | None = None
