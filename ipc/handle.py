@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,13 +87,6 @@ class TensorHandle:
             nbytes=int(d.get("nbytes", 0)),
             extra=dict(d.get("extra", {})),
         )
-
-    def encode(self) -> bytes:
-        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> TensorHandle:
-        return cls.from_dict(json.loads(data))
 
 
 def b64(data: bytes) -> str:
