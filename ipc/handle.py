@@ -37,6 +37,10 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype name: {name!r}") from None
 
 
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass(frozen=True, slots=True)
 class TensorHandle:
     """Where a shared tensor lives and how to view it.

@@ -8,7 +8,7 @@ import threading
 import torch
 
 from ipc import cuda as _cuda
-from ipc.handle import TensorHandle, dtype_from_name, dtype_name
+from ipc.handle import TensorHandle, dtype_from_name, dtype_name, itemsize
 from ipc.shm import Segment
 
 _ALIGN = 64
@@ -44,7 +44,7 @@ class SharedTensor:
             return cls(t, _cuda.export_cuda(t), None)
         if device.type != "cpu":
             raise ValueError(f"unsupported device for shared tensors: {device}")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * itemsize(dtype)
         seg = Segment.create(prefix, max(nbytes, _ALIGN), reserve=populate)
         t = _view(seg, dtype, shape, 0)
         if populate:
