@@ -144,7 +144,7 @@ class ModelShape:
     name: str = ""
 
     def __post_init__(self):
-        for key in _SHAPE_INTS:
+        for key in (f.name for f in dataclasses.fields(self) if f.name != "name"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{self.name or 'model'}: {key} must be a positive int")
@@ -199,18 +199,6 @@ class ModelShape:
             return _shape_from_dict(config, name=str(config.get("_name_or_path", "")))
         path = _config_path(Path(config))
         return _shape_from_dict(_load_json(path), name=path.parent.name)
-
-
-_SHAPE_INTS = (
-    "num_layers",
-    "hidden",
-    "intermediate",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "vocab",
-    "dtype_bytes",
-)
 
 
 def _config_path(path: Path) -> Path:
