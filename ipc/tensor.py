@@ -95,11 +95,6 @@ def close_handle(h: TensorHandle) -> None:
         seg.close()
 
 
-def num_open_mappings() -> int:
-    with _cache_lock:
-        return len(_open_segments)
-
-
 def _view(seg: Segment, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
     count = math.prod(shape)
     if count == 0:
