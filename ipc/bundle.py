@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from ipc.handle import TensorHandle
+from ipc.cuda import export_cuda
+from ipc.handle import TensorHandle, dtype_name, itemsize
 from ipc.tensor import SharedTensor, open_handle
 
 _ALIGN = 64
@@ -24,7 +25,7 @@ class SharedBundle:
         self.handles: dict[str, TensorHandle] = {}
         base = self._base.tensor
         for name, (shape, dtype) in specs.items():
-            n = math.prod(shape) * _itemsize(dtype)
+            n = math.prod(shape) * itemsize(dtype)
             view = base[offsets[name] : offsets[name] + n].view(dtype).view(shape)
             self.tensors[name] = view
             self.handles[name] = _field_handle(self._base.handle, view, offsets[name], shape, dtype)
@@ -43,20 +44,12 @@ def _layout(specs: Specs) -> tuple[dict[str, int], int]:
     offsets, pos = {}, 0
     for name, (shape, dtype) in specs.items():
         offsets[name] = pos
-        pos += -(-math.prod(shape) * _itemsize(dtype) // _ALIGN) * _ALIGN
+        pos += -(-math.prod(shape) * itemsize(dtype) // _ALIGN) * _ALIGN
     return offsets, pos
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _field_handle(base: TensorHandle, view: torch.Tensor, offset: int, shape, dtype):
-    from ipc.handle import dtype_name
-
     if base.kind == "cuda":
-        from ipc.cuda import export_cuda
-
         return export_cuda(view)
     return TensorHandle(
         "shm", base.name, dtype_name(dtype), tuple(shape), base.offset + offset, base.nbytes

@@ -89,8 +89,6 @@ def poll_until(
 ) -> None:
     """Return once `done()`; raise EventTimeout after `timeout` s, EventAbandoned when
     `alive()` turns false first."""
-    if done():
-        return
     deadline = None if timeout is None else time.monotonic() + timeout
     sleep = 0.0
     while not done():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +35,10 @@ def dtype_from_name(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype name: {name!r}") from None
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,13 +91,6 @@ class TensorHandle:
             nbytes=int(d.get("nbytes", 0)),
             extra=dict(d.get("extra", {})),
         )
-
-    def encode(self) -> bytes:
-        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> TensorHandle:
-        return cls.from_dict(json.loads(data))
 
 
 def b64(data: bytes) -> str:

@@ -13,6 +13,7 @@ import signal
 import stat
 import sys
 import tempfile
+from collections.abc import Callable
 
 _RUNTIME_ENV = "MPP_IPC_RUNTIME_DIR"
 _DIR_PREFIX = "mpp-ipc-"  # then `<creator pid>.<its PID namespace>-<random>`
@@ -92,6 +93,22 @@ def new_prefix(tag: str = "mpp") -> str:
     if not tag.replace("-", "").isalnum():
         raise ValueError(f"prefix tag must be alphanumeric (dashes allowed): {tag!r}")
     return f"{tag}_{os.getpid()}_{secrets.token_hex(3)}"
+
+
+def chain_signal(sig: int, cleanup: Callable[[], object]) -> None:
+    """On `sig`, run `cleanup`, then the handler installed before (one the program set, not
+    the default), else die of the same signal."""
+    previous = signal.getsignal(sig)
+
+    def handler(signum, frame):
+        cleanup()
+        if callable(previous):
+            previous(signum, frame)
+            return
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+
+    signal.signal(sig, handler)
 
 
 def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:

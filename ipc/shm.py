@@ -7,10 +7,11 @@ import itertools
 import logging
 import mmap
 import os
+import signal
 
 import posix_ipc
 
-from ipc.runtime import pid_alive, pid_namespace
+from ipc.runtime import chain_signal, pid_alive, pid_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -169,22 +170,5 @@ def install_signal_cleanup(signals: tuple[int, ...] | None = None) -> None:
     A handler already installed by the program (not the default) is kept and
     chained after the unlink.
     """
-    import signal
-
     for sig in signals or (signal.SIGTERM, signal.SIGINT):
-        previous = signal.getsignal(sig)
-        signal.signal(sig, _make_handler(sig, previous))
-
-
-def _make_handler(sig: int, previous):
-    import signal
-
-    def handler(signum, frame):
-        unlink_owned()
-        if callable(previous):
-            previous(signum, frame)
-            return
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-
-    return handler
+        chain_signal(sig, unlink_owned)

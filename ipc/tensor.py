@@ -8,7 +8,7 @@ import threading
 import torch
 
 from ipc import cuda as _cuda
-from ipc.handle import TensorHandle, dtype_from_name, dtype_name
+from ipc.handle import TensorHandle, dtype_from_name, dtype_name, itemsize
 from ipc.shm import Segment
 
 _ALIGN = 64
@@ -44,7 +44,7 @@ class SharedTensor:
             return cls(t, _cuda.export_cuda(t), None)
         if device.type != "cpu":
             raise ValueError(f"unsupported device for shared tensors: {device}")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * itemsize(dtype)
         seg = Segment.create(prefix, max(nbytes, _ALIGN), reserve=populate)
         t = _view(seg, dtype, shape, 0)
         if populate:
@@ -93,11 +93,6 @@ def close_handle(h: TensorHandle) -> None:
         seg = _open_segments.pop(h.name, None)
     if seg is not None:
         seg.close()
-
-
-def num_open_mappings() -> int:
-    with _cache_lock:
-        return len(_open_segments)
 
 
 def _view(seg: Segment, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:

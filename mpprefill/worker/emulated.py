@@ -9,7 +9,7 @@ the modules, the Python path and the number of torch calls stay those of the ful
 
 Device side: a clock (`roofline.DeviceClock`). Each layer's device time comes from a
 roofline of the emulated model's real dimensions at the batch's real token counts and
-prefix lengths on the named GPU (`roofline.layer_time_s`). Layer k starts when it is
+prefix lengths on the named GPU (`roofline.layer_parts_s`). Layer k starts when it is
 issued and layer k - 1 is done; the forward is complete when the clock passes the end of
 its last piece. Events recorded on the stream fire at that time, so collect, the KV write
 fence and the WAR barrier see the forward as they would see a GPU's.

@@ -46,6 +46,3 @@ class KVWriteFence:
 
     def done(self, gen: int) -> bool:
         return gen <= 0 or self._query(gen)
-
-    def wait_pages(self, pages: torch.Tensor) -> None:
-        self.wait(self.required(pages))

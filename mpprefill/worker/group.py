@@ -99,10 +99,6 @@ class GroupOrder:
     def __init__(self, orders: list[SchedulerOrder]):
         self.orders = orders
 
-    @property
-    def events(self):
-        return self.orders[0].events
-
     def before_write(self, slot: int) -> None:
         for o in self.orders:
             o.before_write(slot)
@@ -128,16 +124,12 @@ class GroupSentinel:
     front's poll (a process's own sentinel covers only itself)."""
 
     def __init__(self, procs: list[mp.process.BaseProcess]):
-        self._read, self._write = os.pipe()
+        self.fd, self._write = os.pipe()
         sentinels = [p.sentinel for p in procs]
         self._thread = threading.Thread(
             target=self._watch, args=(sentinels,), name="tp-sentinel", daemon=True
         )
         self._thread.start()
-
-    @property
-    def fd(self) -> int:
-        return self._read
 
     def _watch(self, sentinels: list[int]) -> None:
         _fired(sentinels, None)
@@ -148,7 +140,7 @@ class GroupSentinel:
     def close(self) -> None:
         """Close the read end; the watcher closes its end once the processes ended."""
         with contextlib.suppress(OSError):
-            os.close(self._read)
+            os.close(self.fd)
 
 
 def start_store() -> dist.TCPStore:

@@ -49,7 +49,6 @@ class ProcessWorker(Worker):
         self.args = args
         self.plan = DevicePlan.of(args.device, args.staging)
         self.prefix = ipc.new_prefix(TAG)
-        self.max_reqs = args.max_running_requests
         self._pending: deque[ForwardInput] = deque()
         self._kv: KVCache | None = None
         self._sentinel: GroupSentinel | None = None
@@ -125,12 +124,7 @@ class ProcessWorker(Worker):
         if len(self.ranks) > 1:
             raise ValueError("the KV pool is sharded over the tensor-parallel ranks")
         if self._kv is None:
-            self._kv = KVCache.for_model(
-                self.model_config,
-                num_kv_slots(self.args),
-                buffer=ipc.open_handle(self._ready.kv),
-                num_swa_slots=swa_slots(self.args),
-            )
+            self._kv = self._pool(self.model_config, self._ready)
         return self._kv
 
     def kv_shards(self) -> list[tuple[KVCache, range]]:
@@ -142,14 +136,18 @@ class ProcessWorker(Worker):
         shards = []
         for r, ready in enumerate(self._readies):
             tp = TPRank(r, len(self.ranks))
-            kv = KVCache.for_model(
-                shard_config(self.model_config, tp),
-                num_kv_slots(self.args),
-                buffer=ipc.open_handle(ready.kv),
-                num_swa_slots=swa_slots(self.args),
-            )
+            kv = self._pool(shard_config(self.model_config, tp), ready)
             shards.append((kv, tp.kv_heads(self.model_config)))
         return shards
+
+    def _pool(self, config: ModelConfig, ready: Ready) -> KVCache:
+        """A rank's KV pool (of `config`), over the segment its forward process shares."""
+        return KVCache.for_model(
+            config,
+            num_kv_slots(self.args),
+            buffer=ipc.open_handle(ready.kv),
+            num_swa_slots=swa_slots(self.args),
+        )
 
     @property
     def pid(self) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 import ipc
+from ipc.runtime import chain_signal
 from mpprefill.trace.profiler import TorchProfile, TraceWindow, wants_torch
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,9 @@ class _ControlServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2 * POLL_MS / 1000 + 1)
+        self.remove_socket()
+
+    def remove_socket(self) -> None:
         with contextlib.suppress(OSError):
             os.unlink(self.endpoint.removeprefix("ipc://"))
 
@@ -104,18 +108,7 @@ def serve_control() -> None:
     or gets SIGTERM. Call from the main thread."""
     server = _ControlServer()
     atexit.register(server.close)
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum, frame):
-        with contextlib.suppress(OSError):
-            os.unlink(server.endpoint.removeprefix("ipc://"))
-        if callable(previous):
-            previous(signum, frame)
-        else:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    chain_signal(signal.SIGTERM, server.remove_socket)
 
 
 class ProfileControl:

@@ -144,7 +144,7 @@ class ModelShape:
     name: str = ""
 
     def __post_init__(self):
-        for key in _SHAPE_INTS:
+        for key in (f.name for f in dataclasses.fields(self) if f.name != "name"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{self.name or 'model'}: {key} must be a positive int")
@@ -199,18 +199,6 @@ class ModelShape:
             return _shape_from_dict(config, name=str(config.get("_name_or_path", "")))
         path = _config_path(Path(config))
         return _shape_from_dict(_load_json(path), name=path.parent.name)
-
-
-_SHAPE_INTS = (
-    "num_layers",
-    "hidden",
-    "intermediate",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "vocab",
-    "dtype_bytes",
-)
 
 
 def _config_path(path: Path) -> Path:
@@ -278,18 +266,6 @@ def resolve_shape(spec: str) -> ModelShape:
     raise ValueError(f"unknown model {spec!r}: not a path; presets are {', '.join(PRESETS)}")
 
 
-def layer_time_s(
-    shape: ModelShape,
-    gpu: GpuSpec,
-    extend_lens: Sequence[int],
-    prefix_lens: Sequence[int],
-    tp: int = 1,
-) -> float:
-    """Seconds of one decoder layer over a ragged prefill batch (see the module table), on
-    each of `tp` tensor-parallel GPUs, its all-reduces included."""
-    return sum(layer_parts_s(shape, gpu, extend_lens, prefix_lens, tp))
-
-
 def layer_parts_s(
     shape: ModelShape,
     gpu: GpuSpec,
@@ -298,8 +274,9 @@ def layer_parts_s(
     tp: int = 1,
     window: int | None = None,
 ) -> tuple[float, float]:
-    """(compute, all-reduce) seconds of one layer on one of `tp` GPUs; with `window`, a
-    sliding-window layer's."""
+    """(compute, all-reduce) seconds of one decoder layer over a ragged prefill batch (see
+    the module table) on one of `tp` tensor-parallel GPUs; with `window`, a sliding-window
+    layer's."""
     _check_batch(extend_lens, prefix_lens)
     if window is not None and window < 1:
         raise ValueError(f"sliding window must be positive, got {window}")
@@ -311,16 +288,11 @@ def layer_parts_s(
     return compute, ALLREDUCES_PER_LAYER * allreduce_time_s(gpu, activations, tp)
 
 
-def head_time_s(shape: ModelShape, gpu: GpuSpec, num_reqs: int, tp: int = 1) -> float:
-    """Seconds of the final norm and LM head on each request's last position (at `tp`, a
-    vocabulary slice per GPU, then the all-gather of the logits)."""
-    return sum(head_parts_s(shape, gpu, num_reqs, tp))
-
-
 def head_parts_s(
     shape: ModelShape, gpu: GpuSpec, num_reqs: int, tp: int = 1
 ) -> tuple[float, float]:
-    """(compute, all-gather) seconds of the head on one of `tp` GPUs."""
+    """(compute, all-gather) seconds of the final norm and LM head on each request's last
+    position, on one of `tp` GPUs (each a vocabulary slice, then the logits' all-gather)."""
     if num_reqs <= 0:
         raise ValueError(f"num_reqs must be positive, got {num_reqs}")
     rank = shape.shard(tp)

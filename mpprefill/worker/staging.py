@@ -71,7 +71,6 @@ class ShmStaging:
     """The scheduler's two slots in host shared memory, written by the host (CPU, and
     pinned staging on a GPU: the worker page-locks the segments)."""
 
-    kind = "shm"
     device = "cpu"
     non_blocking = False
 
@@ -104,7 +103,6 @@ class ShmStaging:
 class CudaIpcStaging(ShmStaging):
     """Slots in device memory; the scheduler's writes are copies on its copy stream."""
 
-    kind = "cuda-ipc"
     device = "cuda"
     non_blocking = True  # NOTE: from pageable memory the copy returns once it is staged
 

@@ -34,15 +34,15 @@ def test_tensor_crosses_processes_bit_exact(ctx, endpoint, prefix, procs):
 
 def test_open_same_handle_reuses_mapping(prefix):
     with ipc.SharedTensor.create((1000,), torch.int32, prefix) as st:
-        before = ipc.tensor.num_open_mappings()
         a = ipc.open_handle(st.handle)
-        b = ipc.open_handle(ipc.TensorHandle.decode(st.handle.encode()))
+        b = ipc.open_handle(ipc.TensorHandle.from_dict(st.handle.to_dict()))
         assert a is b
-        assert ipc.tensor.num_open_mappings() == before + 1
         a[3] = 42
         assert st.tensor[3].item() == 42  # zero-copy view of the same bytes
         ipc.close_handle(st.handle)
-        assert ipc.tensor.num_open_mappings() == before
+        c = ipc.open_handle(st.handle)
+        assert c is not a and c[3].item() == 42  # the mapping was forgotten, then made again
+        ipc.close_handle(st.handle)
 
 
 def test_handle_and_message_size_constant(prefix):
@@ -52,7 +52,7 @@ def test_handle_and_message_size_constant(prefix):
             h = st.handle
             # Only the name's counter and the size digits may differ between tensors.
             varying = len(h.name) + len(str(h.shape[0])) + len(str(h.nbytes))
-            fixed.add((len(h.encode()) - varying, len(ipc.encode(Note(1, "x", h))) - varying))
+            fixed.add(len(ipc.encode(Note(1, "x", h))) - varying)
     assert len(fixed) == 1
 
 

@@ -23,9 +23,8 @@ from mpprefill.worker.emulated import (
 )
 from mpprefill.worker.roofline import (
     DeviceClock,
-    head_time_s,
+    head_parts_s,
     layer_parts_s,
-    layer_time_s,
     resolve_shape,
     windowed_pairs,
 )
@@ -83,10 +82,10 @@ def test_sliding_layers_cost_their_window_on_the_device():
     kv = KVCache.for_model(model.config, 1 << 16, num_swa_slots=1 << 16)
     extend, prefix = [512, 512], [16384, 0]
     dev.forward(model, _batch(extend, prefix), kv)
-    full = layer_time_s(shape, dev.gpu, extend, prefix)
+    full = sum(layer_parts_s(shape, dev.gpu, extend, prefix))
     windowed = sum(layer_parts_s(shape, dev.gpu, extend, prefix, window=256))
     assert windowed < 0.8 * full  # 16k keys against 256 for the long request
-    want = 16 * full + 16 * windowed + head_time_s(shape, dev.gpu, 2)
+    want = 16 * full + 16 * windowed + sum(head_parts_s(shape, dev.gpu, 2))
     assert dev.last_forward()[2] == pytest.approx(want)
 
 
@@ -101,8 +100,8 @@ def test_device_time_follows_the_roofline_and_queues_behind_earlier_work():
     model = host_model(host_config(ModelConfig.tiny(), "Qwen2.5-0.5B"), seed=0)
     kv = KVCache.for_model(model.config, 4096)
     fb = _batch([300, 200], [512, 0])
-    layer = layer_time_s(shape, dev.gpu, [300, 200], [512, 0])
-    want = shape.num_layers * layer + head_time_s(shape, dev.gpu, 2)
+    layer = sum(layer_parts_s(shape, dev.gpu, [300, 200], [512, 0]))
+    want = shape.num_layers * layer + sum(head_parts_s(shape, dev.gpu, 2))
     dev.forward(model, fb, kv)
     start1, end1, busy1, collective1 = dev.last_forward()
     assert busy1 == pytest.approx(want)

@@ -17,8 +17,8 @@ from mpprefill.worker.roofline import (
     DeviceClock,
     GpuSpec,
     ModelShape,
-    head_time_s,
-    layer_time_s,
+    head_parts_s,
+    layer_parts_s,
     resolve_shape,
 )
 
@@ -126,22 +126,22 @@ def test_resolve_shape(tmp_path):
 
 def test_bad_batches_and_gpus():
     with pytest.raises(ValueError, match="2 extend lengths but 1"):
-        layer_time_s(LLAMA, H200, [1, 2], [0])
+        layer_parts_s(LLAMA, H200, [1, 2], [0])
     with pytest.raises(ValueError, match="empty"):
-        layer_time_s(LLAMA, H200, [], [])
+        layer_parts_s(LLAMA, H200, [], [])
     with pytest.raises(ValueError, match="positive"):
-        layer_time_s(LLAMA, H200, [0], [0])
+        layer_parts_s(LLAMA, H200, [0], [0])
     with pytest.raises(ValueError, match="num_reqs"):
-        head_time_s(LLAMA, H200, 0)
+        head_parts_s(LLAMA, H200, 0)
     with pytest.raises(ValueError, match="efficiencies"):
         GpuSpec("x", 1e12, 1e12, gemm_efficiency=1.5)
 
 
 @pytest.mark.parametrize("shape", list(PRESETS.values()), ids=list(PRESETS))
 def test_monotonic_in_tokens_and_prefix(shape):
-    by_tokens = [layer_time_s(shape, H200, [e], [0]) for e in (1, 64, 512, 4096, 16384)]
-    by_prefix = [layer_time_s(shape, H200, [512], [p]) for p in (0, 1024, 8192, 65536)]
-    by_reqs = [layer_time_s(shape, H200, [512] * n, [2048] * n) for n in (1, 2, 8, 32)]
+    by_tokens = [sum(layer_parts_s(shape, H200, [e], [0])) for e in (1, 64, 512, 4096, 16384)]
+    by_prefix = [sum(layer_parts_s(shape, H200, [512], [p])) for p in (0, 1024, 8192, 65536)]
+    by_reqs = [sum(layer_parts_s(shape, H200, [512] * n, [2048] * n)) for n in (1, 2, 8, 32)]
     for times in (by_tokens, by_prefix, by_reqs):
         assert times == sorted(times)
         assert times[0] < times[-1]
@@ -150,24 +150,27 @@ def test_monotonic_in_tokens_and_prefix(shape):
 def test_large_batch_is_compute_bound():
     tokens = 8192
     by_hand = 2 * LLAMA.params_per_layer * tokens / (989e12 * GEMM_EFFICIENCY)
-    got = layer_time_s(LLAMA, H200, [1024] * 8, [0] * 8)
+    got = sum(layer_parts_s(LLAMA, H200, [1024] * 8, [0] * 8))
     assert by_hand <= got <= 1.2 * by_hand
     # Compute bound: the same peak FLOP/s gives the same time whatever the bandwidth.
-    assert layer_time_s(LLAMA, GPUS["h100"], [1024] * 8, [0] * 8) == pytest.approx(got)
+    assert sum(layer_parts_s(LLAMA, GPUS["h100"], [1024] * 8, [0] * 8)) == pytest.approx(got)
 
 
 def test_one_token_is_memory_or_floor_bound():
     weights_s = LLAMA.layer_weight_bytes / (4.8e12 * MEMORY_EFFICIENCY)
-    assert layer_time_s(LLAMA, H200, [1], [0]) == pytest.approx(weights_s, rel=0.01)
+    assert sum(layer_parts_s(LLAMA, H200, [1], [0])) == pytest.approx(weights_s, rel=0.01)
     # The 0.5B layer's ~30 MB stream in under 10 µs: below ten kernels' floor.
     floor = KERNELS_PER_LAYER * H200.kernel_floor_s
-    assert layer_time_s(QWEN_SMALL, H200, [1], [0]) == floor
+    assert sum(layer_parts_s(QWEN_SMALL, H200, [1], [0])) == floor
 
 
 def test_gpu_ordering():
     def by_gpu(extend_lens: list[int]) -> dict[str, float]:
         prefixes = [0] * len(extend_lens)
-        return {name: layer_time_s(LLAMA, gpu, extend_lens, prefixes) for name, gpu in GPUS.items()}
+        return {
+            name: sum(layer_parts_s(LLAMA, gpu, extend_lens, prefixes))
+            for name, gpu in GPUS.items()
+        }
 
     mem = by_gpu([1])
     comp = by_gpu([1024] * 8)
@@ -176,9 +179,9 @@ def test_gpu_ordering():
 
 
 def test_head():
-    head = head_time_s(LLAMA, H200, 1)
+    head = sum(head_parts_s(LLAMA, H200, 1))
     assert head == pytest.approx(128256 * 4096 * 2 / (4.8e12 * MEMORY_EFFICIENCY), rel=0.01)
-    assert head_time_s(LLAMA, H200, 4096) > head
+    assert sum(head_parts_s(LLAMA, H200, 4096)) > head
 
 
 def test_clock_queues_back_to_back():

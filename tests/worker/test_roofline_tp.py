@@ -15,9 +15,8 @@ from mpprefill.worker.roofline import (
     PRESETS,
     allgather_time_s,
     allreduce_time_s,
-    head_time_s,
+    head_parts_s,
     layer_parts_s,
-    layer_time_s,
 )
 
 LLAMA_70B = PRESETS["Llama-3.1-70B"]
@@ -46,21 +45,20 @@ def test_collectives_follow_the_ring_formulas():
 def test_tp_layer_is_its_shard_plus_two_allreduces():
     extend, prefix = [8192], [0]
     compute1, comm1 = layer_parts_s(LLAMA_70B, H200, extend, prefix)
-    assert comm1 == 0.0 and layer_time_s(LLAMA_70B, H200, extend, prefix) == compute1
+    assert comm1 == 0.0
     for tp in (2, 4, 8):
         compute, comm = layer_parts_s(LLAMA_70B, H200, extend, prefix, tp)
         # A compute-bound 8k batch: each GPU does about 1/tp of the work.
         assert compute == pytest.approx(compute1 / tp, rel=0.05)
         assert comm == pytest.approx(2 * allreduce_time_s(H200, 8192 * 8192 * 2, tp))
-        assert layer_time_s(LLAMA_70B, H200, extend, prefix, tp) == compute + comm
     # One token: the launch floor stays, so the collectives do not pay off.
-    small = layer_time_s(LLAMA_70B, H200, [1], [0], 8)
+    small = sum(layer_parts_s(LLAMA_70B, H200, [1], [0], 8))
     assert small >= KERNELS_PER_LAYER * H200.kernel_floor_s + 2 * 10e-6
 
 
 def test_tp_head_gathers_the_logits():
-    one = head_time_s(LLAMA_70B, H200, 4)
-    eight = head_time_s(LLAMA_70B, H200, 4, 8)
+    one = sum(head_parts_s(LLAMA_70B, H200, 4))
+    eight = sum(head_parts_s(LLAMA_70B, H200, 4, 8))
     gather = allgather_time_s(H200, 4 * LLAMA_70B.vocab * 4, 8)
     assert eight - gather < one / 4 and eight > gather
 
@@ -84,8 +82,8 @@ def test_emulated_device_reports_its_collective_seconds():
         _, _, busy, collective = dev.last_forward()
         assert collective == pytest.approx(want[tp], abs=1e-12)
         assert busy == pytest.approx(
-            shape.num_layers * layer_time_s(shape, H200, extend, prefix, tp)
-            + head_time_s(shape, H200, 2, tp)
+            shape.num_layers * sum(layer_parts_s(shape, H200, extend, prefix, tp))
+            + sum(head_parts_s(shape, H200, 2, tp))
         )
     assert 0 < collective < busy
 
