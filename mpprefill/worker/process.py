@@ -154,11 +154,6 @@ class ProcessWorker(Worker):
         return self.ranks[0].proc.pid
 
     @property
-    def pids(self) -> list[int]:
-        """Every rank's forward process, rank 0 first."""
-        return [rank.proc.pid for rank in self.ranks]
-
-    @property
     def sentinel(self) -> int:
         return self.ranks[0].proc.sentinel if self._sentinel is None else self._sentinel.fd
 
