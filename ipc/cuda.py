@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from ipc.events import ShmEvent, poll_until
 from ipc.handle import TensorHandle, b64, dtype_from_name, dtype_name, unb64
@@ -27,8 +28,6 @@ _cache_lock = threading.Lock()
 
 def export_cuda(t: torch.Tensor) -> TensorHandle:
     """A handle for a contiguous CUDA tensor. The caller keeps `t` alive meanwhile."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     if not t.is_cuda or not t.is_contiguous():
         raise ValueError("export_cuda needs a contiguous CUDA tensor")
     _, args = reduce_tensor(t)
@@ -88,8 +87,6 @@ def _key(h: TensorHandle) -> tuple:
 
 
 def _rebuild(h: TensorHandle) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     x: dict[str, Any] = h.extra
     return rebuild_cuda_tensor(
         torch.Tensor,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -64,15 +64,7 @@ class TensorHandle:
         return (self.kind, self.name, self.dtype, self.shape, self.offset)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "offset": self.offset,
-            "nbytes": self.nbytes,
-            "extra": self.extra,
-        }
+        return {**asdict(self), "shape": list(self.shape)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorHandle:

@@ -11,6 +11,7 @@ from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import LlamaForCausalLM, ModelConfig
 from mpprefill.model.loader import config_from_args, model_from_args
 from mpprefill.model.parallel import TPRank
+from mpprefill.worker.emulated import EmulatedDevice, EmulatedHostLink, host_config, host_model
 from mpprefill.worker.runner import ForwardRunner
 
 
@@ -51,8 +52,6 @@ def worker_model_config(args: ServerArgs) -> ModelConfig:
     """The config of the model the worker runs (for an emulated device, the small-width
     stand-in with the emulated model's layer count)."""
     if args.device == "emulated":
-        from mpprefill.worker.emulated import host_config
-
         return host_config(config_from_args(args), args.emulate_model)
     return config_from_args(args)
 
@@ -63,27 +62,21 @@ def worker_model(
     """The model of `worker_model_config(args)` (`config`), on `device`; with `tp`, this
     rank's shard of it."""
     if args.device == "emulated":
-        from mpprefill.worker.emulated import host_model
-
         return host_model(config, args.random_seed)
     return model_from_args(args, device, tp)
 
 
-def emulated_device(args: ServerArgs):
+def emulated_device(args: ServerArgs) -> EmulatedDevice | None:
     """The accelerator's clock for --device emulated, else None."""
     if args.device != "emulated":
         return None
-    from mpprefill.worker.emulated import EmulatedDevice
-
     return EmulatedDevice.of(args.emulate_model, args.emulate_gpu, args.tp_size)
 
 
-def emulated_host_link(args: ServerArgs):
+def emulated_host_link(args: ServerArgs) -> EmulatedHostLink | None:
     """The host link the host KV tier's copies take on --device emulated, else None."""
     if args.device != "emulated":
         return None
-    from mpprefill.worker.emulated import EmulatedHostLink
-
     return EmulatedHostLink.of(args.emulate_model, args.emulate_gpu, args.tp_size)
 
 

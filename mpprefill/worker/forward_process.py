@@ -46,6 +46,7 @@ from mpprefill.worker.build import (
     worker_model_config,
 )
 from mpprefill.worker.device import DevicePlan, HostStream
+from mpprefill.worker.emulated import EmulatedStream
 from mpprefill.worker.events import WorkerOrder, forward_gen, make_events, sample_gen
 from mpprefill.worker.hooks import DeviceHooks, LateReads
 from mpprefill.worker.mailboxes import Inbox, Outbox
@@ -323,8 +324,6 @@ def _runner(args: ServerArgs, plan: DevicePlan, prefix: str, tp: TPRank | None =
 
 def _stream(runner: ForwardRunner, plan: DevicePlan, hooks: DeviceHooks) -> HostStream:
     if runner.device is not None:  # the emulated accelerator keeps its own clock
-        from mpprefill.worker.emulated import EmulatedStream
-
         return EmulatedStream(runner.device.clock)
     return hooks.stream(plan)
 

@@ -154,11 +154,6 @@ class ProcessWorker(Worker):
         return self.ranks[0].proc.pid
 
     @property
-    def pids(self) -> list[int]:
-        """Every rank's forward process, rank 0 first."""
-        return [rank.proc.pid for rank in self.ranks]
-
-    @property
     def sentinel(self) -> int:
         return self.ranks[0].proc.sentinel if self._sentinel is None else self._sentinel.fd
 
@@ -199,16 +194,8 @@ class ProcessWorker(Worker):
         tokens = self.result["tokens"][row, :b].clone() if dones[0].sampled else None
         want = inp.return_logits or inp.delay_sample
         logits = self.result["logits"][row, :b].clone() if want else None
-        return ForwardResult(
-            done.seq,
-            tokens,
-            logits,
-            done.forward_s,
-            done.start_ns,
-            done.end_ns,
-            done.device_s,
-            done.collective_s,
-        )
+        timing = (done.forward_s, done.start_ns, done.end_ns, done.device_s, done.collective_s)
+        return ForwardResult(done.seq, tokens, logits, *timing)
 
     def sample(self, inp: ForwardInput, timeout: float | None = None) -> torch.Tensor:
         self._check_sample(inp, self._pending)

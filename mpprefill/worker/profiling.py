@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -71,7 +70,7 @@ class _ControlServer:
         try:
             while not self._stop.is_set():
                 if sock.poll(POLL_MS):
-                    sock.send(json.dumps(self._handle(json.loads(sock.recv()))).encode())
+                    sock.send_json(self._handle(sock.recv_json()))
         finally:
             sock.close(linger=0)  # an ipc:// socket removes its file on close
             ctx.term()
@@ -129,9 +128,9 @@ class ProfileControl:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
         try:
-            sock.send(json.dumps(cmd).encode())
+            sock.send_json(cmd)
             if not sock.poll(int(timeout * 1000)):
                 return {"ok": False, "error": f"the forward process did not answer in {timeout}s"}
-            return json.loads(sock.recv())
+            return sock.recv_json()
         finally:
             sock.close(linger=0)

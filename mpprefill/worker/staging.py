@@ -73,14 +73,12 @@ class ShmStaging:
 
     device = "cpu"
     non_blocking = False
+    stream_type: type[HostStream] = HostStream
 
     def __init__(self, specs: ipc.bundle.Specs, prefix: str):
         self.specs = specs
         self.bundles = [ipc.SharedBundle(specs, prefix, self.device) for _ in range(NUM_SLOTS)]
-        self.stream = self.new_stream()
-
-    def new_stream(self) -> HostStream:
-        return HostStream()
+        self.stream = self.stream_type()
 
     @property
     def handles(self) -> list[dict[str, ipc.TensorHandle]]:
@@ -105,9 +103,7 @@ class CudaIpcStaging(ShmStaging):
 
     device = "cuda"
     non_blocking = True  # NOTE: from pageable memory the copy returns once it is staged
-
-    def new_stream(self) -> CudaStream:
-        return CudaStream()
+    stream_type = CudaStream
 
 
 def staging_class(plan: DevicePlan) -> type[ShmStaging]:

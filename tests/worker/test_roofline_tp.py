@@ -112,6 +112,6 @@ def test_engine_charges_one_rank_of_the_group(mode):
             firsts[tp] = [o.first_token for o in eng.prefill(prompts)]
             device_s[tp] = eng.scheduler.metrics.device_s
             if mode == "proc-ahead":
-                assert len(eng.worker.pids) == 1  # one process models the group's device
+                assert len(eng.worker.ranks) == 1  # one process models the group's device
     assert firsts[1] == firsts[8]
     assert device_s[8] < device_s[1] / 4

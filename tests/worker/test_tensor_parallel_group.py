@@ -52,7 +52,7 @@ def run(model_dir: str, mode: str, tp_size: int, **extra):
     ) as eng:
         first = eng.prefill(PROMPTS[:1], return_logits=True)
         rest = eng.prefill(PROMPTS, return_logits=True)
-        assert len(eng.worker.pids) == tp_size
+        assert len(eng.worker.ranks) == tp_size
         prefix = eng.worker.prefix
     assert ipc.list_segments(prefix) == []
     return first + rest
@@ -106,7 +106,7 @@ def test_a_hung_rank_fails_the_group_within_the_forward_timeout(model_dir):
         forward_timeout=3.0,
         **ENGINE,
     ) as eng:
-        hung = eng.worker.pids[1]
+        hung = eng.worker.ranks[1].proc.pid
         stopped_at: list[float] = []
 
         def stop():
@@ -183,7 +183,7 @@ def test_sigkill_of_one_rank_fails_the_group(model_dir):
         finished = []
         eng.scheduler.reqs.on_finish = finished.append
         killed_at: list[float] = []
-        _kill_soon(eng.worker.pids[1], 1.0, killed_at)
+        _kill_soon(eng.worker.ranks[1].proc.pid, 1.0, killed_at)
         with pytest.raises(WorkerDied):
             eng.prefill(prompts)
         noticed = time.monotonic()
@@ -201,7 +201,7 @@ def test_idle_group_reports_a_dead_rank_on_its_sentinel(model_dir):
         assert eng.worker.death() is None
         fd = eng.worker.sentinel
         assert select.select([fd], [], [], 0)[0] == []
-        os.kill(eng.worker.pids[1], signal.SIGKILL)
+        os.kill(eng.worker.ranks[1].proc.pid, signal.SIGKILL)
         assert select.select([fd], [], [], 10)[0] == [fd]
         assert "tp rank 1" in eng.worker.death()
         with pytest.raises(WorkerDied):
