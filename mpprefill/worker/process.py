@@ -194,8 +194,16 @@ class ProcessWorker(Worker):
         tokens = self.result["tokens"][row, :b].clone() if dones[0].sampled else None
         want = inp.return_logits or inp.delay_sample
         logits = self.result["logits"][row, :b].clone() if want else None
-        timing = (done.forward_s, done.start_ns, done.end_ns, done.device_s, done.collective_s)
-        return ForwardResult(done.seq, tokens, logits, *timing)
+        return ForwardResult(
+            done.seq,
+            tokens,
+            logits,
+            done.forward_s,
+            done.start_ns,
+            done.end_ns,
+            done.device_s,
+            done.collective_s,
+        )
 
     def sample(self, inp: ForwardInput, timeout: float | None = None) -> torch.Tensor:
         self._check_sample(inp, self._pending)
