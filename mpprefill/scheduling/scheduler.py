@@ -287,8 +287,9 @@ class Scheduler:
             self.metrics.add_phase("host-load-wait", t0, seq)
 
     def submit(self, snap: ForwardSnapshot) -> None:
+        """Hand the batch to the worker; send_cached_prefixes has run first and waited for
+        the batch's host loads."""
         if self.host_tier is not None:
-            self.wait_host_loads(snap.seq)
             self.host_tier.note_submit(snap.input)
         t0 = clock_ns()
         self.worker.submit(snap.input)
