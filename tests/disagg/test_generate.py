@@ -135,7 +135,7 @@ def _loaded(hf, tmp_path):
 
 def _check_greedy(hf, ours, kv, allocator, ids_list) -> None:
     free_before = allocator.num_free_pages
-    gen = Generator(ours, kv, allocator, PAGE, eos_token_ids=(), max_running=3)
+    gen = Generator(ours, kv, allocator, eos_token_ids=(), max_running=3)
     arrivals: dict[int, list[tuple]] = {}
     for r, (ids, n) in enumerate(zip(ids_list, MAX_NEW, strict=True)):
         pages, first = prefill(ours, kv, allocator, ids)
@@ -185,7 +185,7 @@ def test_sliding_window_greedy_on_the_last_window_only(tmp_path):
     kv, allocator = dense_pool(ours, 64)
     ids_list = prompts(ours.config.vocab_size, seed=1)
     free_before = allocator.num_free_pages
-    gen = Generator(ours, kv, allocator, PAGE)
+    gen = Generator(ours, kv, allocator)
     arrivals = []
     for r, (ids, n) in enumerate(zip(ids_list, MAX_NEW, strict=True)):
         pages, first = prefill(ours, kv, allocator, ids)
@@ -213,7 +213,7 @@ def test_sliding_window_greedy_on_an_swa_pool(tmp_path):
     padding = allocator.swa.alloc_pages(2)  # SWA page ids != full page ids
     ids_list = prompts(ours.config.vocab_size, seed=2)
     free_before = allocator.num_free_pages, allocator.num_free_swa_pages
-    gen = Generator(ours, kv, allocator, PAGE)
+    gen = Generator(ours, kv, allocator)
     arrivals = []
     for r, (ids, n) in enumerate(zip(ids_list, MAX_NEW, strict=True)):
         pages, first = prefill(ours, kv, allocator, ids)
@@ -239,7 +239,7 @@ def _one(model, n_pages: int = 32, ids=None, eos=(), **params):
     ids = ids or prompts(model.config.vocab_size, (11,))[0]
     sampling = SamplingParams(**params)
     pages, first = prefill(model, kv, allocator, ids, sampling)
-    gen = Generator(model, kv, allocator, PAGE, eos_token_ids=eos)
+    gen = Generator(model, kv, allocator, eos_token_ids=eos)
     done = run(gen, {0: [("r", ids, pages, first, sampling)]})
     assert allocator.num_free_pages == free_before
     allocator.check()
@@ -296,7 +296,7 @@ def test_first_token_can_finish_at_once(model, full_run):
     """max_new_tokens == 1, or a first token that stops: add() answers, no forward runs."""
     kv, allocator = dense_pool(model, 16)
     ids = prompts(model.config.vocab_size, (11,))[0]
-    gen = Generator(model, kv, allocator, PAGE, eos_token_ids=[full_run[0]])
+    gen = Generator(model, kv, allocator, eos_token_ids=[full_run[0]])
     free_before = allocator.num_free_pages
     cases = [
         (SamplingParams(max_new_tokens=1), {"type": "length", "length": 1}),
@@ -329,7 +329,7 @@ def test_out_of_pages_aborts_and_frees(model):
     the first runs until it needs another page, then aborts too."""
     kv, allocator = dense_pool(model, 5)
     ids_list = prompts(model.config.vocab_size, (8, 8))
-    gen = Generator(model, kv, allocator, PAGE)
+    gen = Generator(model, kv, allocator)
     free_before = allocator.num_free_pages
     for r, ids in enumerate(ids_list):
         pages, first = prefill(model, kv, allocator, ids)
@@ -354,7 +354,7 @@ def test_out_of_pages_aborts_and_frees(model):
 def test_abort_close_and_waiting_free_every_page(model):
     kv, allocator = dense_pool(model, 32)
     free_before = allocator.num_free_pages
-    gen = Generator(model, kv, allocator, PAGE, max_running=2)
+    gen = Generator(model, kv, allocator, max_running=2)
     for r, ids in enumerate(prompts(model.config.vocab_size, (3, 4, 9, 6))):
         pages, first = prefill(model, kv, allocator, ids)
         assert gen.add(r, ids, pages, first, SamplingParams(max_new_tokens=30)) is None
@@ -374,7 +374,7 @@ def test_abort_close_and_waiting_free_every_page(model):
 
 def test_bad_input_is_refused_and_takes_nothing(model):
     kv, allocator = dense_pool(model, 8)
-    gen = Generator(model, kv, allocator, PAGE)
+    gen = Generator(model, kv, allocator)
     ids = prompts(model.config.vocab_size, (9,))[0]
     pages, first = prefill(model, kv, allocator, ids)
     params = SamplingParams(max_new_tokens=4)
@@ -393,12 +393,10 @@ def test_bad_input_is_refused_and_takes_nothing(model):
     allocator.free(more * PAGE)
     gen.close()
     assert allocator.num_free_pages == allocator.num_pages
-    with pytest.raises(ValueError, match="page_size"):
-        Generator(model, kv, allocator, PAGE * 2)
     with pytest.raises(ValueError, match="layers"):
-        Generator(model, KVCache(3, 8 * PAGE, 2, 16), allocator, PAGE)
+        Generator(model, KVCache(3, 8 * PAGE, 2, 16), allocator)
     with pytest.raises(ValueError, match="slots"):
-        Generator(model, kv, PagedTokenAllocator(9, PAGE), PAGE)
+        Generator(model, kv, PagedTokenAllocator(9, PAGE))
 
 
 # ---- sampling ---------------------------------------------------------------------------
@@ -411,7 +409,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model):
 
     kv, allocator = dense_pool(model, 64)
     free_before = allocator.num_free_pages
-    gen = Generator(model, kv, allocator, PAGE)
+    gen = Generator(model, kv, allocator)
     others = [
         SamplingParams(temperature=0.7, seed=99, max_new_tokens=14),
         SamplingParams(temperature=1.3, min_p=0.05, max_new_tokens=20),  # unseeded

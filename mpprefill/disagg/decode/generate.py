@@ -78,21 +78,18 @@ class Generator:
         model,
         kv: KVCache,
         allocator: PagedTokenAllocator,
-        page_size: int,
         eos_token_ids: Iterable[int] = (),
         max_running: int = 64,
     ) -> None:
         """`model`: a LlamaForCausalLM whose KV `kv` holds; `allocator` hands out its pages.
         At most `max_running` sequences run in a step; more wait in arrival order."""
-        if page_size != allocator.page_size:
-            raise ValueError(f"page_size {page_size} != the allocator's {allocator.page_size}")
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         _check_pool(model.config, kv, allocator)
         self.model = model
         self.kv = kv
         self.allocator = allocator
-        self.page_size = page_size
+        self.page_size = allocator.page_size
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_running = max_running
         self._running: dict[Hashable, _Seq] = {}

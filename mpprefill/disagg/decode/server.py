@@ -83,7 +83,6 @@ class DecodeServer:
                 self.model,
                 self.rx.pool.kv,
                 self.rx.allocator,
-                args.page_size,
                 eos_token_ids(args.model_path),
                 args.max_running_requests,
             )
