@@ -24,7 +24,7 @@ from mpprefill.http.errors import bad_request, from_reply, is_abort
 from mpprefill.http.link import Bootstrap
 from mpprefill.http.tokenizer import TextTokenizer
 from mpprefill.sampling.params import SamplingParams
-from mpprefill.server.protocol import ABORTED, MAX_HOST_CHARS, MAX_RID_CHARS, MAX_ROOM
+from mpprefill.server.protocol import ABORTED, MAX_RID_CHARS, bootstrap_error
 
 # SGLang's defaults where the protocol's differ (it samples at temperature 1 unless told).
 SGLANG_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
@@ -123,19 +123,10 @@ def _per_prompt(body: dict, name: str, n: int, batch: bool) -> list[Any]:
     return value
 
 
-def _check_bootstrap(b: Bootstrap) -> None:
-    if b.room is not None and (type(b.room) is not int or not 0 <= b.room <= MAX_ROOM):
-        raise bad_request("bootstrap_room must be an integer in [0, 2**63)")
-    if b.host is not None and (
-        not isinstance(b.host, str) or not 0 < len(b.host) <= MAX_HOST_CHARS
-    ):
-        raise bad_request(f"bootstrap_host must be a string of 1 to {MAX_HOST_CHARS} characters")
-    if b.port is not None and (type(b.port) is not int or not 0 < b.port < 65536):
-        raise bad_request("bootstrap_port must be an integer in [1, 65535]")
-
-
 def _item(prompt: str | list[int], rid: str, sampling: Any, boot: Bootstrap) -> GenerateItem:
-    _check_bootstrap(boot)
+    why = bootstrap_error(boot.room, boot.host, boot.port)
+    if why is not None:
+        raise bad_request(why)
     if sampling is not None and not isinstance(sampling, dict):
         raise bad_request("sampling_params must be an object")
     sampling = sampling or {}

@@ -179,6 +179,17 @@ def sniff_rid(head: bytes) -> str | None:
     return rid if isinstance(rid, str) and rid else None
 
 
+def bootstrap_error(room: Any, host: Any, port: Any) -> str | None:
+    """Why these bootstrap fields (None: not given) are not ones a server takes, or None."""
+    if room is not None and (type(room) is not int or not 0 <= room <= MAX_ROOM):
+        return "bootstrap_room must be an integer in [0, 2**63)"
+    if host is not None and (not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS):
+        return f"bootstrap_host must be a string of 1 to {MAX_HOST_CHARS} characters"
+    if port is not None and (type(port) is not int or not 0 < port < 65536):
+        return "bootstrap_port must be an integer in [1, 65535]"
+    return None
+
+
 def _generate(obj: dict[str, Any], rid: str | None) -> Generate:
     if not rid:
         raise ProtocolError("generate needs a non-empty string rid")
@@ -186,14 +197,11 @@ def _generate(obj: dict[str, Any], rid: str | None) -> Generate:
     if not isinstance(ids, list) or not all(type(t) is int for t in ids):
         raise ProtocolError("input_ids must be a list of integers", rid)
     room = obj.get("bootstrap_room")
-    if room is not None and (type(room) is not int or not 0 <= room <= MAX_ROOM):
-        raise ProtocolError("bootstrap_room must be an integer in [0, 2**63)", rid)
     host = obj.get("bootstrap_host")
-    if host is not None and (not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS):
-        raise ProtocolError(f"bootstrap_host must be a string of 1..{MAX_HOST_CHARS} chars", rid)
     port = obj.get("bootstrap_port")
-    if port is not None and (type(port) is not int or not 0 < port < 65536):
-        raise ProtocolError("bootstrap_port must be an integer in [1, 65535]", rid)
+    why = bootstrap_error(room, host, port)
+    if why is not None:
+        raise ProtocolError(why, rid)
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
         raise ProtocolError("stream must be a boolean", rid)
