@@ -60,6 +60,7 @@ class SchedulerLink:
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.sock.connect(self.address)
         self._waiting: dict[str, asyncio.Queue] = {}
+        self._controls: set[str] = set()  # the rids in _waiting that are not generates
         self._reader: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -70,7 +71,8 @@ class SchedulerLink:
         return rid in self._waiting
 
     def rids(self) -> list[str]:
-        return [rid for rid in self._waiting if not rid.startswith("stats-")]
+        """The generate requests in flight."""
+        return [rid for rid in self._waiting if rid not in self._controls]
 
     async def generate(
         self,
@@ -110,7 +112,11 @@ class SchedulerLink:
         """One request of `kind` (stats, flush_cache, start_profile, ...) and its reply."""
         rid = f"{kind}-{uuid.uuid4().hex}"
         frame = json.dumps({"type": kind, "rid": rid, **fields}).encode()
-        return await self._request(rid, frame, timeout)
+        self._controls.add(rid)
+        try:
+            return await self._request(rid, frame, timeout)
+        finally:
+            self._controls.discard(rid)
 
     async def abort(self, rid: str) -> None:
         """No reply of its own: the request's reply says it was aborted. Never waits: an

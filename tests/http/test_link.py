@@ -64,6 +64,22 @@ def test_replies_reach_their_requests_in_any_order():
     _run(test)
 
 
+def test_rids_are_the_generates_in_flight_whatever_their_names():
+    async def test(link, router):
+        gen = asyncio.ensure_future(link.generate("stats-mine", [1], {}, None, 10))
+        ident, _ = await _recv(router)
+        flush = asyncio.ensure_future(link.control("flush_cache", 10))
+        _, frame = await _recv(router)
+        assert link.rids() == ["stats-mine"]  # the control request is not one to abort
+        ok = json.dumps({"rid": frame["rid"], "status": "ok"}).encode()
+        await router.send_multipart([ident, ok])
+        await router.send_multipart([ident, _done("stats-mine", 5)])
+        assert (await flush)["status"] == "ok" and (await gen)["first_token"] == 5
+        assert link.rids() == []
+
+    _run(test)
+
+
 def test_a_rid_in_flight_is_refused_and_unknown_rid_replies_dropped():
     async def test(link, router):
         first = asyncio.ensure_future(link.generate("dup", [1], {}, None, 10))
