@@ -248,14 +248,14 @@ class TransferBackend:
         link.sock.close(linger=0)
         del self._links[link.address]
 
-    def _reconnect(self, link: _Link) -> _Link:
+    def _reconnect(self, link: _Link) -> None:
         """A fresh DEALER to the same address, in place of `link` (which has no rooms).
 
         NOTE: ZeroMQ closes a link that brings a frame over MAXMSGSIZE and never
         reconnects it; `_tick` replaces a link that stays silent instead.
         """
         self._unlink(link)
-        return self._link(link.address)
+        self._link(link.address)
 
     def _bind(self, s: TransferSender, address: str) -> None:
         """Send room `s.room`'s KV to the receiver at `address` from now on."""
