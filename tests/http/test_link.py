@@ -74,7 +74,8 @@ def test_rids_are_the_generates_in_flight_whatever_their_names():
         ok = json.dumps({"rid": frame["rid"], "status": "ok"}).encode()
         await router.send_multipart([ident, ok])
         await router.send_multipart([ident, _done("stats-mine", 5)])
-        assert (await flush)["status"] == "ok" and (await gen)["first_token"] == 5
+        assert (await flush)["status"] == "ok"
+        assert (await gen)["first_token"] == 5
         assert link.rids() == []
 
     _run(test)
