@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from mpprefill.bench.procs import free_port
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.disagg.mooncake_backend import unavailable_reason
 from mpprefill.disagg.sender import KVPoll
@@ -57,9 +57,7 @@ class Decode:
     """A decode receiver subprocess and a router socket talking to it."""
 
     def __init__(self, backend: str, model: str, tokens: int, page: int):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "mpprefill.disagg.decode", "--receiver-port", str(port)]
         cmd += ["--zmq-port", "0"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,11 +15,37 @@ from dataclasses import dataclass
 import ipc
 from mpprefill.server.client import Client
 
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, for a process to bind, outside the kernel's ephemeral range.
+
+    NOTE: a ZeroMQ socket may connect before its server listens, and retries; were the
+    port an ephemeral one, a retry could be given it as its own source port, and a TCP
+    connection to itself then stands in for the server for good (on Linux about one in
+    70,000 tries)."""
+    ports = _non_ephemeral_ports()
+    for _ in range(200):
+        port = random.choice(ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port found in {ports}")
+
+
+def _non_ephemeral_ports() -> range:
+    low, high = 32768, 60999  # Linux's defaults
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            low, high = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        pass
+    below = range(10000, low)
+    return below if len(below) >= 1000 else range(high + 1, 65536)
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> int:
