@@ -15,6 +15,9 @@ EMULATE_GPUS = ("h100", "h200", "b200")
 # presets; or a config.json
 EMULATE_MODELS = ("Qwen2.5-0.5B", "Llama-3.1-8B", "Qwen2.5-14B", "Llama-3.1-70B")
 STAGINGS = ("pinned", "cuda-ipc")  # how a CUDA worker gets its batch inputs
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+# "auto": the best the device has (see mpprefill.model.attention)
+ATTENTION_BACKENDS = ("auto", "torch_native", "torch_varlen")
 SWA_PATTERN_HELP = (
     "which layers slide: 'all', layer ids '0,2,5', or a pattern of s (sliding) and f (full)"
     " repeated over the layers, e.g. 'sssf'"
@@ -25,6 +28,25 @@ SWA_PATTERN_HELP = (
 class ServerArgs:
     model_path: str | None = _f(
         None, "HF-style model dir (config.json + *.safetensors); default: the built-in tiny model"
+    )
+    dtype: str = _f(
+        "auto",
+        "weights and activations; auto: the checkpoint's torch_dtype (the built-in model is"
+        " float32)",
+        choices=DTYPES,
+    )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "the KV pool's dtype, which the staging, transfer, host store and decode carry;"
+        " auto: the model's dtype",
+        choices=DTYPES,
+    )
+    attention_backend: str = _f(
+        "auto",
+        "batched attention: torch_native (padded SDPA, any device) or torch_varlen (torch's"
+        " flash varlen kernel, CUDA); auto: torch_varlen on CUDA where it runs, else"
+        " torch_native",
+        choices=ATTENTION_BACKENDS,
     )
     forward_mode: str | None = _f(
         None, "where run_batch runs and how it overlaps", choices=FORWARD_MODES
@@ -174,6 +196,13 @@ class ServerArgs:
             raise ValueError(f"--device: one of {DEVICES}, got {self.device!r}")
         if self.emulate_gpu not in EMULATE_GPUS:
             raise ValueError(f"--emulate-gpu: one of {EMULATE_GPUS}")
+        for name, value, allowed in (
+            ("dtype", self.dtype, DTYPES),
+            ("kv-cache-dtype", self.kv_cache_dtype, DTYPES),
+            ("attention-backend", self.attention_backend, ATTENTION_BACKENDS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"--{name}: one of {allowed}, got {value!r}")
         if self.staging not in STAGINGS:
             raise ValueError(f"--staging: one of {STAGINGS}")
         if not self.disable_http_front and self.port == self.zmq_port:
