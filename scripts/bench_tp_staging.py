@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -42,6 +41,7 @@ import zmq
 import ipc
 from mpprefill.config import ServerArgs
 from mpprefill.model import ForwardBatch
+from mpprefill.model.forward_batch import TENSORS
 from mpprefill.sampling.info import SamplingBatchInfo
 from mpprefill.sampling.params import SamplingParams
 from mpprefill.worker.device import DevicePlan
@@ -103,7 +103,7 @@ def _kv_rows(seq_lens: list[int], rng: random.Random) -> list[list[int]]:
 
 def batch_bytes(fb: ForwardBatch, sampling: SamplingBatchInfo) -> int:
     """What one copy of the batch writes into a slot."""
-    tensors = [getattr(fb, f.name) for f in dataclasses.fields(fb)]
+    tensors = [getattr(fb, name) for name in TENSORS]
     return sum(t.nbytes for t in (*tensors, *sampling.to_tensors().values()))
 
 
@@ -157,7 +157,7 @@ def _open(slots: list[dict[str, dict]]) -> list[dict[str, torch.Tensor]]:
 
 
 def _copy_out(fb: ForwardBatch, sampling: SamplingBatchInfo) -> list[torch.Tensor]:
-    tensors = [getattr(fb, f.name) for f in dataclasses.fields(fb)]
+    tensors = [getattr(fb, name) for name in TENSORS]
     return [t.clone() for t in (*tensors, *sampling.to_tensors().values())]
 
 

@@ -19,6 +19,11 @@ import torch
 # Models with sliding-window layers may also carry swa_out_cache_loc [T] and swa_kv_indices
 # [sum(p_r + e_r)]: the same positions in the SWA pool's slots (-1 where a key has left the
 # window and its SWA page is gone). Empty (the default) means the SWA slots are the full ones.
+#
+# prefix_lens_cpu / extend_lens_cpu are host copies of prefix_lens / extend_lens (SGLang's
+# extend_seq_lens_cpu). The forward's host code (attention plans, shapes, the rope table's
+# length) reads only these, never a device tensor: on a GPU such a read waits for the
+# device, and batch N + 1 could not be issued while batch N runs.
 
 
 @dataclass(slots=True)
@@ -31,6 +36,19 @@ class ForwardBatch:
     kv_indices: torch.Tensor
     swa_out_cache_loc: torch.Tensor = field(default_factory=lambda: _long([]))
     swa_kv_indices: torch.Tensor = field(default_factory=lambda: _long([]))
+    prefix_lens_cpu: tuple[int, ...] | None = None
+    extend_lens_cpu: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        """Host lengths not given are read from the tensors, which must then be on the
+        host: device-side lengths need their host copies passed in."""
+        if self.prefix_lens_cpu is None or self.extend_lens_cpu is None:
+            _check(
+                self.prefix_lens.device.type == "cpu" and self.extend_lens.device.type == "cpu",
+                "lengths on a device need prefix_lens_cpu and extend_lens_cpu",
+            )
+            self.prefix_lens_cpu = tuple(self.prefix_lens.tolist())
+            self.extend_lens_cpu = tuple(self.extend_lens.tolist())
 
     @property
     def has_swa_slots(self) -> bool:
@@ -86,14 +104,22 @@ class ForwardBatch:
         fb.validate(deep=True)
         return fb
 
-    def to(self, device: torch.device | str) -> ForwardBatch:
-        return ForwardBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+    @property
+    def max_seq_len(self) -> int:
+        """The longest prefix + extend, from the host lengths."""
+        return max(map(sum, zip(self.prefix_lens_cpu, self.extend_lens_cpu)), default=0)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ForwardBatch:
+        moved = {n: getattr(self, n).to(device, non_blocking=non_blocking) for n in TENSORS}
+        return ForwardBatch(
+            **moved, prefix_lens_cpu=self.prefix_lens_cpu, extend_lens_cpu=self.extend_lens_cpu
+        )
 
     def validate(self, deep: bool = False) -> None:
         """Check dtypes and lengths; deep also checks contents (positions, slots)."""
-        for f in fields(self):
-            t = getattr(self, f.name)
-            _check(t.dim() == 1 and t.dtype == torch.int64, f"{f.name} must be 1-D int64")
+        for name in TENSORS:
+            t = getattr(self, name)
+            _check(t.dim() == 1 and t.dtype == torch.int64, f"{name} must be 1-D int64")
         b, t = self.batch_size, self.num_tokens
         _check(self.prefix_lens.shape[0] == b, "prefix_lens and extend_lens differ in length")
         for name in ("positions", "out_cache_loc"):
@@ -111,8 +137,24 @@ class ForwardBatch:
             self.kv_indices.shape[0] == int(self.seq_lens.sum()),
             "kv_indices length != sum(prefix_lens + extend_lens)",
         )
+        host = (list(self.prefix_lens_cpu), list(self.extend_lens_cpu))
+        same = host == (self.prefix_lens.tolist(), self.extend_lens.tolist())
+        _check(same, "prefix_lens_cpu / extend_lens_cpu differ from the tensors")
         if deep:
             self._validate_contents()
+
+    def check_window_slots(self, window: int) -> None:
+        """Raise unless every key inside a sliding window of `window` has an SWA slot
+        (host tensors; the scheduler's check of the batches it builds)."""
+        if not self.has_swa_slots:
+            return
+        first = [max(0, p - window + 1) for p in self.prefix_lens_cpu]
+        seq = [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
+        start = 0
+        for f, n in zip(first, seq):
+            if bool((self.swa_kv_indices[start + f : start + n] < 0).any()):
+                raise RuntimeError("a key inside the sliding window has no SWA slot")
+            start += n
 
     def _validate_contents(self) -> None:
         starts = torch.repeat_interleave(self.prefix_lens, self.extend_lens)
@@ -127,6 +169,9 @@ class ForwardBatch:
             torch.equal(self.kv_indices[new_rows + token_offsets], self.out_cache_loc),
             "kv_indices new-token part != out_cache_loc",
         )
+
+
+TENSORS = tuple(f.name for f in fields(ForwardBatch) if not f.name.endswith("_cpu"))
 
 
 def _check(ok: bool, message: str) -> None:

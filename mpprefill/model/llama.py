@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model.attention import AttentionBackend, make_backend
 from mpprefill.model.config import ModelConfig
 from mpprefill.model.forward_batch import ForwardBatch
 from mpprefill.model.parallel import (
@@ -21,15 +22,6 @@ from mpprefill.model.parallel import (
 )
 
 
-class Span(NamedTuple):
-    """One request of a ragged batch: its rows of the new tokens and its whole-sequence slots."""
-
-    rows: slice
-    kv_slots: Tensor
-    mask: Tensor | None
-    causal: bool
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -37,9 +29,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class FeedForward(nn.Module):
@@ -50,7 +40,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(F.silu(gate, inplace=True).mul_(up))
 
 
 class Attention(nn.Module):
@@ -63,24 +53,17 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
         self.wo = row_linear(config.q_size, config.hidden_size, config.attention_out_bias, tp)
 
-    def forward(
-        self,
-        x: Tensor,
-        rope: tuple[Tensor, Tensor],
-        kv: KVCache,
-        locs: Tensor,
-        spans: list[Span],
-    ) -> Tensor:
-        n = x.shape[0]
-        q, k, v = self.wqkv(x).split(self.sizes, dim=-1)
-        q = apply_rope(q.view(n, self.n_head, self.head_dim), *rope)
-        k = apply_rope(k.view(n, self.n_kv_head, self.head_dim), *rope)
-        kv.write(self.layer_id, locs, k, v.view(n, self.n_kv_head, self.head_dim))
-        out = torch.empty_like(q)
-        k_pool, v_pool = kv.k(self.layer_id), kv.v(self.layer_id)
-        for s in spans:
-            k_seq, v_seq = k_pool[s.kv_slots], v_pool[s.kv_slots]
-            out[s.rows] = attend(q[s.rows], k_seq.to(q.dtype), v_seq.to(q.dtype), s)
+    def forward(self, x: Tensor, ctx: LayerContext, locs: Tensor, plan: Any) -> Tensor:
+        n, dim = x.shape[0], self.head_dim
+        qkv = self.wqkv(x)
+        # q and k side by side: one in-place rotation for both
+        qk = qkv[:, : self.sizes[0] + self.sizes[1]].view(n, self.n_head + self.n_kv_head, dim)
+        rotate_(qk, ctx.cos, ctx.sin)
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        kv = ctx.kv
+        kv.write(self.layer_id, locs, k.view(n, self.n_kv_head, dim), v.view(n, -1, dim))
+        q = q.view(n, self.n_head, dim)
+        out = ctx.backend.attend(q, kv.k(self.layer_id), kv.v(self.layer_id), plan)
         return self.wo(out.view(n, -1))
 
 
@@ -92,10 +75,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], kv: KVCache, locs: Tensor, spans: list[Span]
-    ) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, kv, locs, spans)
+    def forward(self, x: Tensor, ctx: LayerContext, locs: Tensor, plan: Any) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), ctx, locs, plan)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -119,6 +100,10 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.requires_grad_(False).eval()
+        self.rotary = Rotary(
+            config.head_size, config.rope_theta, config.max_position_embeddings, device
+        )
+        self.set_attention_backend("auto")
 
     def _build(self, config: ModelConfig) -> None:
         tp, local = self.tp, self.kv_config
@@ -144,97 +129,81 @@ class LlamaForCausalLM(nn.Module):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
+    def set_attention_backend(self, name: str) -> None:
+        """`--attention-backend`: see `attention.make_backend`."""
+        self.attention_backend = make_backend(name, self.device, self.config.torch_dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     @torch.inference_mode()
     def forward(
         self, fb: ForwardBatch, kv: KVCache, on_layer: Callable[[int], None] | None = None
     ) -> Tensor:
         """Float32 logits [B, vocab] at each request's last new token. `on_layer(i)` runs
-        once layer i's work is issued (an emulated device charges its time there)."""
+        once layer i's work is issued (an emulated device charges its time there).
+
+        The host reads only the batch's host lengths (see `ForwardBatch`)."""
         x = self.tok_embeddings(fb.input_ids)
-        rope = rope_cos_sin(fb.positions, self.config.head_size, self.config.rope_theta)
-        spans = ragged_spans(fb, fb.kv_indices)
-        swa_locs, swa_spans = fb.out_cache_loc, spans
+        cos, sin = self.rotary.at(fb.positions, fb.max_seq_len, x.dtype)
+        ctx = LayerContext(kv, cos, sin, self.attention_backend)
+        backend = self.attention_backend
+        full = (fb.out_cache_loc, backend.plan(fb, fb.kv_indices, None))
+        sliding = full
         if self.config.has_sliding_layers:
             swa_locs, swa_indices = fb.swa_slots()
-            swa_spans = ragged_spans(fb, swa_indices, self.config.sliding_window)
+            sliding = (swa_locs, backend.plan(fb, swa_indices, self.config.sliding_window))
         for i, layer in enumerate(self.layers):
-            sliding = self.config.is_sliding(i)
-            locs, layer_spans = (swa_locs, swa_spans) if sliding else (fb.out_cache_loc, spans)
-            x = layer(x, rope, kv, locs, layer_spans)
+            locs, plan = sliding if self.config.is_sliding(i) else full
+            x = layer(x, ctx, locs, plan)
             if on_layer is not None:
                 on_layer(i)
-        x = x[fb.last_token_indices]
+        x = x.index_select(0, fb.last_token_indices)
         return self.output(self.norm(x)).float()
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, head_dim] in float32, halves repeated (the HF rotate_half convention)."""
-    exponents = torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+class LayerContext(NamedTuple):
+    """What every layer of one forward shares."""
+
+    kv: KVCache
+    cos: Tensor  # [T, 1, head_dim / 2] in the activations' dtype
+    sin: Tensor
+    backend: AttentionBackend
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [T, heads, head_dim] by its token's angles."""
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+class Rotary:
+    """cos and sin of the rotary angles of positions 0 .. n - 1, float32, on the model's
+    device; grown (doubled) when a batch reaches past them. A head's two halves rotate as
+    pairs (the rotate_half convention of Llama and Qwen checkpoints)."""
+
+    def __init__(self, head_dim: int, theta: float, positions: int, device) -> None:
+        exponents = torch.arange(0, head_dim, 2, device=device).float() / head_dim
+        self.inv_freq = 1.0 / (theta**exponents)
+        self._fill(positions)
+
+    def _fill(self, n: int) -> None:
+        angles = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    def reserve(self, n: int) -> None:
+        """Hold positions 0 .. n - 1 at least (`n`: a host value)."""
+        if n > self.cos.shape[0]:
+            self._fill(max(n, 2 * self.cos.shape[0]))
+
+    def at(self, positions: Tensor, max_len: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, 1, head_dim / 2] of `positions` (all < max_len, a host value)."""
+        self.reserve(max_len)
+        cos = self.cos.index_select(0, positions).to(dtype)
+        sin = self.sin.index_select(0, positions).to(dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, span: Span) -> Tensor:
-    """q [e, H, D] over k, v [prefix + e, H_kv, D]; returns [e, H, D]."""
-    # NOTE: 4-D [1, heads, len, dim] inputs; 3-D ones take the slow math kernel on the CPU.
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=span.mask, is_causal=span.causal, enable_gqa=True
-    )
-    return out[0].transpose(0, 1)
-
-
-def ragged_spans(fb: ForwardBatch, kv_indices: Tensor, window: int | None = None) -> list[Span]:
-    """Per-request row ranges, KV slots and masks, computed once per forward for all layers
-    (once more for sliding-window layers, with `window` and their own pool's slots).
-
-    A sliding-window span starts at the first key its first query sees, max(0, p - W + 1):
-    keys before it may already be gone from the SWA pool.
-    """
-    spans, row, kv_start = [], 0, 0
-    for prefix, extend in zip(fb.prefix_lens.tolist(), fb.extend_lens.tolist(), strict=True):
-        kv_end = kv_start + prefix + extend
-        first_key = 0 if window is None else max(0, prefix - window + 1)
-        if window is not None and prefix + extend > window:
-            mask = sliding_window_mask(prefix, extend, window, fb.input_ids.device, first_key)
-            causal = False
-        else:
-            mask = prefix_causal_mask(prefix, extend, fb.input_ids.device)
-            causal = prefix == 0 and extend > 1
-        slots = kv_indices[kv_start + first_key : kv_end]
-        if window is not None and bool((slots < 0).any()):
-            raise RuntimeError("a key inside the sliding window has no SWA slot")
-        spans.append(Span(slice(row, row + extend), slots, mask, causal))
-        row, kv_start = row + extend, kv_end
-    return spans
-
-
-def sliding_window_mask(
-    prefix: int, extend: int, window: int, device: torch.device, first_key: int = 0
-) -> Tensor:
-    """Boolean [extend, prefix + extend - first_key]: the new token at position p sees keys
-    p - window < j <= p, of keys first_key, first_key + 1, ..., prefix + extend - 1."""
-    keys = torch.arange(first_key, prefix + extend, device=device)
-    queries = torch.arange(prefix, prefix + extend, device=device)[:, None]
-    return (keys[None, :] <= queries) & (keys[None, :] > queries - window)
-
-
-def prefix_causal_mask(prefix: int, extend: int, device: torch.device) -> Tensor | None:
-    """Boolean [extend, prefix + extend]: new token i sees keys j <= prefix + i.
-
-    None when no mask is needed (no prefix: plain causal; one new token: sees everything).
-    """
-    if prefix == 0 or extend == 1:
-        return None
-    keys = torch.arange(prefix + extend, device=device)
-    queries = torch.arange(prefix, prefix + extend, device=device)
-    return keys[None, :] <= queries[:, None]
+def rotate_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [T, heads, head_dim] in place by its token's angles (cos, sin [T, 1, d/2])."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    x1_sin = x1 * sin
+    x1.mul_(cos).addcmul_(x2, sin, value=-1)
+    x2.mul_(cos).add_(x1_sin)
+    return x

@@ -64,11 +64,14 @@ class ForwardSnapshot:
 def build_forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows) -> ForwardBatch:
     """The model's tensors for one batch: new tokens, their positions and slots, KV rows."""
     positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
+    extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         positions=positions,
         out_cache_loc=out,
         prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64),
-        extend_lens=torch.tensor([s - p for p, s in zip(prefix_lens, seq_lens)], dtype=torch.int64),
+        extend_lens=torch.tensor(extend_lens, dtype=torch.int64),
         kv_indices=torch.cat(kv_rows),
+        prefix_lens_cpu=tuple(prefix_lens),
+        extend_lens_cpu=tuple(extend_lens),
     )

@@ -82,11 +82,16 @@ def reclaim(tree: RadixCache, allocator: PagedTokenAllocator, need: int) -> None
         tree.evict((need - allocator.num_free_pages) * ps)
 
 
-def add_swa_slots(allocator: PagedTokenAllocator, fb: ForwardBatch) -> None:
+def add_swa_slots(
+    allocator: PagedTokenAllocator, fb: ForwardBatch, check_window: int | None = None
+) -> None:
     """Fill a batch's SWA-pool slots (-1 for keys whose SWA page left with the window);
-    without an SWA pool they stay empty."""
+    without an SWA pool they stay empty. With `check_window`, raise unless every key
+    inside that window has its slot."""
     fb.swa_out_cache_loc = allocator.swa_slots(fb.out_cache_loc)
     fb.swa_kv_indices = allocator.swa_slots(fb.kv_indices, missing=-1)
+    if check_window is not None:
+        fb.check_window_slots(check_window)
 
 
 def kv_stats(allocator: PagedTokenAllocator, tree: RadixCache) -> dict[str, object]:

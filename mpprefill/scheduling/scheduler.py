@@ -223,7 +223,8 @@ class Scheduler:
             if r.is_chunked:
                 r.inflight_middle_chunks += 1
         fb = build_forward_batch(input_ids, prefix_lens, seq_lens, out, kv_rows)
-        add_swa_slots(self.allocator, fb)
+        window = self.model_config.sliding_window if self.args.check_invariants else None
+        add_swa_slots(self.allocator, fb, window)
         self.batch_seq += 1
         return ScheduleBatch(
             seq=self.batch_seq,

@@ -91,6 +91,7 @@ def build_runner(
     `config`: `worker_model_config(args)` where the caller has it already. With `tp`, the
     rank's shard of the model and its KV heads' pool."""
     model = worker_model(args, config or worker_model_config(args), device, tp)
+    model.set_attention_backend(args.attention_backend)
     cfg = model.kv_config
     kv = KVCache.for_model(cfg, num_kv_slots(args), device, kv_buffer, swa_slots(args))
     return ForwardRunner(model, kv, emulated_device(args))

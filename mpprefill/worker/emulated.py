@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -89,21 +90,23 @@ def shrink(fb: ForwardBatch, keep: int = KEEP_TOKENS) -> ForwardBatch:
 
     with k_i = min(e_i, keep).
     """
-    extend = fb.extend_lens
-    kept = torch.clamp(extend, max=keep)
-    ends = torch.cumsum(extend, 0)
-    rows = torch.cat([torch.arange(e - k, e) for e, k in zip(ends.tolist(), kept.tolist())])
-    out = fb.out_cache_loc[rows]
+    kept = [min(e, keep) for e in fb.extend_lens_cpu]
+    ends = itertools.accumulate(fb.extend_lens_cpu)
+    rows = [i for end, k in zip(ends, kept) for i in range(end - k, end)]
+    rows = torch.tensor(rows, dtype=torch.int64, device=fb.input_ids.device)
+    out = fb.out_cache_loc.index_select(0, rows)
     small = ForwardBatch(
-        input_ids=fb.input_ids[rows],
-        positions=fb.positions[rows],
+        input_ids=fb.input_ids.index_select(0, rows),
+        positions=fb.positions.index_select(0, rows),
         out_cache_loc=out,
         prefix_lens=torch.zeros_like(fb.prefix_lens),
-        extend_lens=kept,
+        extend_lens=torch.tensor(kept, dtype=torch.int64, device=fb.input_ids.device),
         kv_indices=out,
+        prefix_lens_cpu=(0,) * len(kept),
+        extend_lens_cpu=tuple(kept),
     )
     if fb.has_swa_slots:  # the sliding-window layers' own pool: the same rows there
-        small.swa_out_cache_loc = fb.swa_out_cache_loc[rows]
+        small.swa_out_cache_loc = fb.swa_out_cache_loc.index_select(0, rows)
         small.swa_kv_indices = small.swa_out_cache_loc
     return small
 
@@ -125,8 +128,8 @@ class EmulatedDevice:
         return cls(resolve_shape(emulate_model), gpu, tp_size)
 
     def forward(self, model: LlamaForCausalLM, fb: ForwardBatch, kv: KVCache):
-        extend = fb.extend_lens.tolist()
-        prefix = fb.prefix_lens.tolist()
+        extend = list(fb.extend_lens_cpu)
+        prefix = list(fb.prefix_lens_cpu)
         config = model.config
         full = layer_parts_s(self.shape, self.gpu, extend, prefix, self.tp_size)
         sliding = full
@@ -144,6 +147,7 @@ class EmulatedDevice:
             if not first:
                 first.append(end - layer_s)
 
+        model.rotary.reserve(fb.max_seq_len)  # the kept tokens keep their positions
         logits = model(shrink(fb), kv, on_layer)
         end = self.clock.issue(head_s)
         start = first[0] if first else end - head_s

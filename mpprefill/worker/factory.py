@@ -6,6 +6,7 @@ from mpprefill.config import ServerArgs
 from mpprefill.model import ModelConfig
 from mpprefill.worker.api import Worker
 from mpprefill.worker.build import build_runner, scheduler_threads
+from mpprefill.worker.hooks import DeviceHooks
 from mpprefill.worker.local import InlineWorker, ThreadWorker
 from mpprefill.worker.process import ProcessWorker
 from mpprefill.worker.runner import set_torch_threads
@@ -18,6 +19,7 @@ def make_worker(args: ServerArgs, mode: str) -> tuple[Worker, ModelConfig]:
         return worker, worker.model_config
     set_torch_threads(args.worker_threads)
     runner = build_runner(args, args.torch_device)
+    DeviceHooks.from_env().guard(runner)
     if mode in ("normal", "overlap"):
         return InlineWorker(runner), runner.model.config
     return ThreadWorker(runner, args.page_size), runner.model.config

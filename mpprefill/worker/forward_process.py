@@ -276,6 +276,7 @@ def _setup(args: ServerArgs, setup: WorkerSetup, parent: int):
     plan = setup.plan
     tp = _join_group(args, setup, plan)
     runner, kv_shared = _runner(args, plan, setup.prefix, tp)
+    setup.hooks.guard(runner)
     cfg: ModelConfig = runner.model.config
     result, views = None, None
     if setup.tp_rank == 0:

@@ -12,6 +12,9 @@ server's side at spawn), then carried to the forward process in its set-up:
   reads the inputs (`LateReads`). A rewrite of the slot meanwhile (a missing WAR barrier)
   is caught and reported at the worker's next message. The CUDA variant reads on a side
   stream.
+- `forward_guard` (MPPREFILL_TEST_FORWARD_GUARD, a directory): every forward runs under
+  a `ForwardGuard` (a read of the batch's device tensors fails the forward) and each
+  process appends its forwards' torch call counts to a file there.
 """
 
 from __future__ import annotations
@@ -27,20 +30,32 @@ import torch
 
 from mpprefill.model import ForwardBatch
 from mpprefill.worker.device import CLOCK_HZ, CudaStream, DevicePlan, HostStream
+from mpprefill.worker.runner import ForwardRunner
 
 SLOW_DEVICE_ENV = "MPPREFILL_TEST_SLOW_DEVICE"
 SLOW_READS_ENV = "MPPREFILL_TEST_SLOW_READS"
+FORWARD_GUARD_ENV = "MPPREFILL_TEST_FORWARD_GUARD"
 
 
 @dataclass(frozen=True)  # NOTE: no slots: it crosses spawn by pickle, also on Python 3.10
 class DeviceHooks:
     slow_device_s: float = 0.0
     slow_reads_s: float = 0.0
+    forward_guard: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> DeviceHooks:
         env = os.environ if env is None else env
-        return cls(float(env.get(SLOW_DEVICE_ENV, 0)), float(env.get(SLOW_READS_ENV, 0)))
+        return cls(
+            float(env.get(SLOW_DEVICE_ENV, 0)),
+            float(env.get(SLOW_READS_ENV, 0)),
+            env.get(FORWARD_GUARD_ENV, ""),
+        )
+
+    def guard(self, runner: ForwardRunner) -> None:
+        """Put the runner's forwards under the guard, when asked."""
+        if self.forward_guard:
+            runner.set_guard(self.forward_guard)
 
     def stream(self, plan: DevicePlan) -> HostStream:
         """The forward stream, lagging when asked."""

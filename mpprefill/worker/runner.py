@@ -14,6 +14,7 @@ import torch
 
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, LlamaForCausalLM
+from mpprefill.model.guard import ForwardGuard, plain
 from mpprefill.sampling.info import SamplingBatchInfo
 from mpprefill.sampling.sampler import sample
 from mpprefill.trace.tracer import clock_ns, get_tracer
@@ -38,6 +39,11 @@ class ForwardRunner:
     """Runs one forward at a time on `kv.device`. `device` (optional) is an emulated
     accelerator: it shrinks the batch the host computes and charges device time."""
 
+    # A test hook (`DeviceHooks.forward_guard`): each forward runs under it, failing on a
+    # read of the batch's device tensors; its call counts go to `guard_log`.
+    guard: ForwardGuard | None = None
+    guard_log: str | None = None
+
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device=None):
         self.model = model
         self.kv = kv
@@ -49,10 +55,7 @@ class ForwardRunner:
         t0 = clock_ns()
         fb = self.on_device(inp.forward)
         sampling = self.on_device(inp.sampling)
-        if self.device is None:
-            logits = self.model(fb, self.kv)
-        else:
-            logits = self.device.forward(self.model, fb, self.kv)
+        logits = self._forward(fb) if self.guard is None else self._guarded(fb)
         tokens = None if inp.delay_sample else sample(logits, sampling)
         t1 = clock_ns()
         tracer = get_tracer()
@@ -62,6 +65,25 @@ class ForwardRunner:
         if self.device is None:
             return RunOutput(tokens, logits, forward_s, t0, t1, forward_s, 0.0)
         return RunOutput(tokens, logits, forward_s, *self.device.last_forward())
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if self.device is None:
+            return self.model(fb, self.kv)
+        return self.device.forward(self.model, fb, self.kv)
+
+    def _guarded(self, fb: ForwardBatch) -> torch.Tensor:
+        with self.guard.watch(fb) as guarded:
+            logits = plain(self._forward(guarded))
+        if self.guard_log is not None:
+            with open(self.guard_log, "a") as f:
+                f.write(f"{fb.batch_size} {fb.num_tokens} {self.guard.calls}\n")
+        return logits
+
+    def set_guard(self, log_dir: str) -> None:
+        """Run every forward under a ForwardGuard; append "requests tokens calls" lines
+        to a file of this process's in `log_dir`."""
+        self.guard = ForwardGuard()
+        self.guard_log = os.path.join(log_dir, f"forward-calls-{os.getpid()}.txt")
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingBatchInfo) -> torch.Tensor:

@@ -44,6 +44,9 @@ from mpprefill.worker.events import NUM_SLOTS, SchedulerOrder
 logger = logging.getLogger(__name__)
 
 FB_FIELDS = ("input_ids", "positions", "out_cache_loc", "prefix_lens", "extend_lens", "kv_indices")
+# Read by the worker's host code (the batch's host lengths): in host shared memory on every
+# plan, so the worker never reads them back from a device.
+HOST_FIELDS = ("prefix_lens", "extend_lens")
 SWA_FIELDS = ("swa_out_cache_loc", "swa_kv_indices")  # only in slots of sliding-window models
 
 
@@ -99,11 +102,33 @@ class ShmStaging:
 
 
 class CudaIpcStaging(ShmStaging):
-    """Slots in device memory; the scheduler's writes are copies on its copy stream."""
+    """Slots in device memory, but for the host lengths (`HOST_FIELDS`), which stay in host
+    shared memory; the scheduler's writes are copies on its copy stream.
+
+    NOTE: the host lengths need no barrier of their own: the worker reads them before it
+    replies Done, and a slot is rewritten only after its forward's Done came back."""
 
     device = "cuda"
     non_blocking = True  # NOTE: from pageable memory the copy returns once it is staged
     stream_type = CudaStream
+
+    def __init__(self, specs: ipc.bundle.Specs, prefix: str):
+        on_device = {k: v for k, v in specs.items() if k not in HOST_FIELDS}
+        super().__init__(on_device, prefix)
+        self.specs = specs
+        host = {k: specs[k] for k in HOST_FIELDS}
+        self.host_bundles = [ipc.SharedBundle(host, prefix) for _ in range(NUM_SLOTS)]
+        for b, h in zip(self.bundles, self.host_bundles, strict=True):
+            b.tensors.update(h.tensors)
+
+    @property
+    def handles(self) -> list[dict[str, ipc.TensorHandle]]:
+        return [{**b.handles, **h.handles} for b, h in zip(self.bundles, self.host_bundles)]
+
+    def unlink(self) -> None:
+        super().unlink()
+        for b in self.host_bundles:
+            b.unlink()
 
 
 def staging_class(plan: DevicePlan) -> type[ShmStaging]:
@@ -142,7 +167,8 @@ def read_slot(
 ) -> tuple[ForwardBatch, SamplingBatchInfo, bool]:
     """Views of a slot, or copies on `device` when the slot lives elsewhere (issued on the
     current stream, asynchronous from pinned memory). The flag says whether it copied:
-    then the slot's reads end here; otherwise they end with the forward."""
+    then the slot's reads end here; otherwise they end with the forward. The batch's host
+    lengths are read here, from host memory (`HOST_FIELDS`)."""
     sizes = {"prefix_lens": num_reqs, "extend_lens": num_reqs, "kv_indices": num_kv}
     sizes["swa_kv_indices"] = num_kv
     names = FB_FIELDS + (SWA_FIELDS if SWA_FIELDS[0] in slot else ())
@@ -150,9 +176,14 @@ def read_slot(
     sampling = SamplingBatchInfo.from_tensors(
         {k[2:]: v for k, v in slot.items() if k.startswith("s_")}, batch_size=num_reqs
     )
-    if torch.device(device) == fb.input_ids.device:
+    device = torch.device(device)
+    if device == fb.input_ids.device:
+        if fb.prefix_lens.device != device:  # device slots: their host lengths go along
+            lens = {n: getattr(fb, n).to(device, non_blocking=True) for n in HOST_FIELDS}
+            fb = dataclasses.replace(fb, **lens)
         return fb, sampling, False
-    return _moved(fb, device), _moved(sampling, device, sampling.to_tensors()), True
+    moved = fb.to(device, non_blocking=True)
+    return moved, _moved(sampling, device, sampling.to_tensors()), True
 
 
 def _moved(obj, device, fields: dict[str, torch.Tensor] | None = None):

@@ -46,6 +46,16 @@ def test_validate_rejects_inconsistent_batches(change, match):
         replace(example(), **change).validate()
 
 
+def test_host_lengths_come_from_host_tensors_and_must_match_them():
+    fb = example()
+    assert fb.prefix_lens_cpu == tuple(fb.prefix_lens.tolist())
+    assert fb.extend_lens_cpu == tuple(fb.extend_lens.tolist())
+    assert fb.to("cpu").extend_lens_cpu == fb.extend_lens_cpu
+    wrong = dataclasses.replace(fb, extend_lens_cpu=fb.extend_lens_cpu[::-1])
+    with pytest.raises(ValueError, match="differ from the tensors"):
+        wrong.validate()
+
+
 @pytest.mark.parametrize(
     "change, match",
     [

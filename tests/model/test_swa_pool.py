@@ -81,6 +81,9 @@ def test_a_key_inside_the_window_without_swa_slot_is_an_error():
     fb.swa_out_cache_loc = alloc.translate(fb.out_cache_loc)
     fb.swa_kv_indices = alloc.translate(fb.kv_indices, missing=-1)
     with pytest.raises(RuntimeError, match="no SWA slot"):
+        fb.check_window_slots(WINDOW)
+    fb.check_window_slots(4)  # a window of 4 reaches back to position 29 only
+    with pytest.raises((RuntimeError, IndexError)):  # the forward itself reads no slot -1
         model(fb, kv)
 
 

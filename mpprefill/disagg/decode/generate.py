@@ -17,7 +17,7 @@ k, never on the rest of the batch; the logits of one row can still differ from a
 in the last float bits (the batch's matmuls), which only matters at a near tie. Unseeded
 rows draw from torch's default generator, so they depend on what else is sampled.
 
-Sliding-window layers read only keys inside their window (`ragged_spans`): the query at
+Sliding-window layers read only keys inside their window (`model/attention.py`): the query at
 position p >= L sees p - W < j <= p, inside what the prefill sends (its last window, from
 `window_first_page`) and what the steps write. With a dense pool (the decode receiver's)
 those layers use the same slots as the others; with an SWA pool (`KVCache` with a

@@ -151,9 +151,7 @@ def test_host_copy_time_scales_with_bytes_and_splits_over_tensor_parallel_ranks(
     floor = host_copy_time_s(shape, gpu, 1, 1) - shape.kv_bytes_per_token / gpu.host_link_rate
     assert host_copy_time_s(shape, gpu, 8192, 32) - floor == pytest.approx(2 * (one - floor))
     # 8 KV heads over 8 ranks: each rank moves its one head over its own link
-    assert host_copy_time_s(shape, gpu, 4096, 32, tp=8) - floor == pytest.approx(
-        (one - floor) / 8
-    )
+    assert host_copy_time_s(shape, gpu, 4096, 32, tp=8) - floor == pytest.approx((one - floor) / 8)
     assert host_copy_time_s(shape, gpu, 0, 32) == 0.0
     with pytest.raises(ValueError):
         host_copy_time_s(shape, gpu, -1, 32)
