@@ -49,7 +49,7 @@ if [ "${SHM_AVAIL:-0}" -lt $((6 << 30)) ]; then BACKEND=fake; fi  # decode pool:
 echo "/dev/shm available: $SHM_AVAIL bytes; bench transfer backend: $BACKEND"
 
 phase "GPU-marked tests"
-timeout 190 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" -rfEs \
+timeout 190 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" -rfEsP \
     --junitxml "$OUT/gpu_tests.xml"
 RC[tests]=$?
 
