@@ -49,6 +49,21 @@ def test_the_pool_may_differ_from_the_model():
         torch.testing.assert_close(o.logits, r.logits, atol=2e-2, rtol=0)
 
 
+def test_tensor_parallel_ranks_hold_their_shards_in_the_kv_dtype():
+    """Each rank's segment, opened by the scheduler (the transfer reads every one), is of
+    the pool's dtype; the group's logits are the single rank's up to bfloat16 rounding."""
+    kw = dict(dtype="bfloat16", max_total_tokens=1024, worker_threads=1)
+    with PrefillEngine(forward_mode="proc", tp_size=2, **kw) as eng:
+        shards = eng.worker.kv_shards()
+        assert [kv.dtype for kv, _ in shards] == [torch.bfloat16] * 2
+        assert [heads for _, heads in shards] == [range(0, 1), range(1, 2)]
+        outs = eng.prefill(PROMPTS, return_logits=True)
+    with PrefillEngine(forward_mode="normal", **kw) as eng:
+        ref = eng.prefill(PROMPTS, return_logits=True)
+    for o, r in zip(outs, ref, strict=True):
+        torch.testing.assert_close(o.logits, r.logits, atol=5e-2, rtol=0)
+
+
 def test_the_emulated_roofline_charges_kv_bytes_at_the_pools_itemsize():
     def bytes_of(**kw) -> tuple[int, int]:
         shape = emulated_shape(ServerArgs(device="emulated", **kw))

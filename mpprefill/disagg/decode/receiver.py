@@ -15,9 +15,10 @@ refused. Every reply to a prefill names this run (`instance`), and a transfer_do
 it back. A bootstrap names the prefill's tensor-parallel size, the KV heads of each pool it
 writes and their dtype; a room whose pools do not tile this pool's heads, or hold another
 dtype than this pool's, fails at its bootstrap, before any page is written (a prefill at
-any TP size fills this pool, each pool its heads of every slot; pages are copied as bytes). Everything waits against a deadline: registrations for pages
-(`--register-timeout`), rooms for their KV (`--waiting-timeout`), aborted rooms for the
-prefill's confirmation (_DRAIN_S); registrations waiting are capped.
+any TP size fills this pool, each pool its heads of every slot; pages are copied as bytes).
+Everything waits against a deadline: registrations for pages (`--register-timeout`), rooms
+for their KV (`--waiting-timeout`), aborted rooms for the prefill's confirmation
+(_DRAIN_S); registrations waiting are capped.
 """
 
 from __future__ import annotations
