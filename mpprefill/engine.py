@@ -28,7 +28,10 @@ class PrefillOutput:
 
 
 class PrefillEngine:
-    """`with PrefillEngine(...) as eng: outs = eng.prefill([[1, 2, 3]])`."""
+    """`with PrefillEngine(...) as eng: outs = eng.prefill([[1, 2, 3]])`.
+
+    `kwargs` are ServerArgs fields, e.g. `dtype="bfloat16"` (the weights and activations)
+    and `kv_cache_dtype` (the KV pool); logits come back float32 whatever they are."""
 
     def __init__(
         self,

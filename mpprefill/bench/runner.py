@@ -28,6 +28,8 @@ _DECODE_VALUES = (
     "model_path",
     "sliding_window",
     "swa_layers",
+    "dtype",
+    "kv_cache_dtype",
 )
 _SERVE_VALUES = (
     *_DECODE_VALUES,

@@ -507,7 +507,8 @@ class TransferBackend:
         yet, or the reply was lost. How long a sender waits is its own deadline."""
         for room, link in self._link_of.items():
             if self._live[room].state == KVPoll.Bootstrapping and now >= self._next_try[room]:
-                link.post(wire.Bootstrap(room, self.shipped.tp_size, self.shipped.kv_heads))
+                shipped, dtype = self.shipped, self.layout.dtype
+                link.post(wire.Bootstrap(room, shipped.tp_size, shipped.kv_heads, dtype))
                 self._next_try[room] = now + _RESEND_S
 
     def _fail(self, s: TransferSender, reason: str) -> None:

@@ -8,7 +8,7 @@ carries a "type"; the router reply has the shape of the server's reply to its cl
   router -> decode        register          rid, bootstrap_room, input_ids
   decode -> router        (none)            rid, status done|error, first_token, verified,
                                             max_abs_err | error
-  prefill -> decode       bootstrap         room, tp_size, kv_heads
+  prefill -> decode       bootstrap         room, tp_size, kv_heads, dtype
   decode -> prefill       bootstrap_reply   room, status ready|unknown|error, pool,
                                             dst_pages, decode_prefix_len, error, instance
   prefill -> decode       transfer_done     room, first_token, num_pages, instance
@@ -30,6 +30,10 @@ NOTE: kv_heads lists the [start, stop) KV heads of each pool the prefill writes 
 distinct range of its tensor-parallel ranks; none: one pool with every head). The decode
 accepts the room only if they tile its own pool's heads (`head_tiling_error`), each pool's
 heads landing at their offset in every slot.
+
+NOTE: dtype names the prefill's KV pool dtype ("bfloat16", ...; empty: not named, a prefill
+of before). The decode refuses a room whose dtype is not its own pool's (`dtype_error`)
+before any page is written: pages are copied byte for byte, never converted.
 
 NOTE: `instance` names one run of a decode receiver. The prefill sends back the instance
 that answered a room's bootstrap and accepts only that instance's ack, so a receiver that
@@ -142,6 +146,17 @@ def head_tiling_error(kv_heads: list[list[int]], num_kv_heads: int, tp_size: int
     )
 
 
+def dtype_error(prefill_dtype: str, decode_dtype: str) -> str | None:
+    """Why a prefill's pool of `prefill_dtype` cannot fill a pool of `decode_dtype` (None:
+    the same, or the prefill named none)."""
+    if not prefill_dtype or prefill_dtype == decode_dtype:
+        return None
+    return (
+        f"the prefill's KV pool is {quote(prefill_dtype)}, this decode's is {decode_dtype}:"
+        " give both the same --kv-cache-dtype (or --dtype)"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Register:
     rid: str
@@ -164,6 +179,7 @@ class Bootstrap:
     room: int
     tp_size: int = 1  # the prefill's tensor-parallel size
     kv_heads: list[list[int]] = field(default_factory=list)  # [start, stop) per pool written
+    dtype: str = ""  # the prefill's KV pool dtype ("": not named)
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +337,12 @@ _S = {
     "register": (Register, {"rid": _str, "bootstrap_room": _int, "input_ids": _tokens}),
     "bootstrap": (
         Bootstrap,
-        {"room": _int, "tp_size": lambda v, n: _int(v, n, minimum=1), "kv_heads": _head_ranges},
+        {
+            "room": _int,
+            "tp_size": lambda v, n: _int(v, n, minimum=1),
+            "kv_heads": _head_ranges,
+            "dtype": _str,
+        },
     ),
     "bootstrap_reply": (
         BootstrapReply,

@@ -77,15 +77,18 @@ class KVCache:
         device: torch.device | str = "cpu",
         buffer: torch.Tensor | None = None,
         num_swa_slots: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> KVCache:
-        """The pool of a model; SWA layers get `num_swa_slots` (default: num_slots)."""
+        """The pool of a model; SWA layers get `num_swa_slots` (default: num_slots). `dtype`:
+        the pool's (--kv-cache-dtype, resolved), which may differ from the model's; None:
+        the model's."""
         layers, heads, dim, swa, n_swa = cls._model_layout(config, num_slots, num_swa_slots)
         return cls(
             layers,
             num_slots,
             heads,
             dim,
-            config.torch_dtype,
+            config.torch_dtype if dtype is None else dtype,
             device,
             buffer,
             swa_layers=swa,

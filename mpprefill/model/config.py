@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -11,6 +11,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = tuple(_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from an HF config.json dict (Llama or Qwen2); the checkpoint's dtype is cast."""
+        """Build from an HF config.json dict (Llama or Qwen2), in the checkpoint's dtype."""
         arch = _architecture(hf)
         _check_supported_features(hf)
         qwen2 = arch == "Qwen2ForCausalLM"
@@ -132,8 +133,39 @@ class ModelConfig:
             attention_bias=attn_bias,
             attention_out_bias=attn_bias and not qwen2,
             architecture=arch,
+            dtype=_checkpoint_dtype(hf),
             **_sliding(hf, qwen2),
         )
+
+
+class Dtypes(NamedTuple):
+    """What a server runs in: the model's weights and activations, and its KV pool."""
+
+    model: str
+    kv: str
+
+    @property
+    def kv_torch(self) -> torch.dtype:
+        return _DTYPES[self.kv]
+
+    @property
+    def itemsizes(self) -> tuple[int, int]:
+        """Bytes per element of the model's tensors and of the KV pool's."""
+        return _DTYPES[self.model].itemsize, _DTYPES[self.kv].itemsize
+
+
+def resolve_dtypes(dtype: str, kv_cache_dtype: str, checkpoint: str) -> Dtypes:
+    """--dtype and --kv-cache-dtype against the `checkpoint`'s dtype (its config.json's
+    torch_dtype; float32 for the built-in model): `auto` is the checkpoint's, a KV `auto`
+    the model's.
+
+    NOTE: a dtype resolved already resolves the same again, so a process holding the served
+    config (the forward process's Ready, a TP shard's) may pass its dtype for the checkpoint's.
+    """
+    for flag, value in (("dtype", dtype), ("kv-cache-dtype", kv_cache_dtype)):
+        _require(value == "auto" or value in _DTYPES, f"--{flag} {value!r}: auto or {DTYPES}")
+    model = checkpoint if dtype == "auto" else dtype
+    return Dtypes(model, model if kv_cache_dtype == "auto" else kv_cache_dtype)
 
 
 _HF_KEYS = (
@@ -188,6 +220,15 @@ def _sliding(hf: dict[str, Any], qwen2: bool) -> dict[str, Any]:
     if types is None or window is None:
         return {}
     return {"sliding_window": int(window), "layer_types": tuple(types)}
+
+
+def _checkpoint_dtype(hf: dict[str, Any]) -> str:
+    """config.json's dtype: `torch_dtype`, or `dtype` as transformers 5 writes it; float32
+    where it names none, as transformers loads such a checkpoint."""
+    name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    name = str(name).removeprefix("torch.")
+    _require(name in _DTYPES, f"config.json's torch_dtype {name!r} is not one of {DTYPES}")
+    return name
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:

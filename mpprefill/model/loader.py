@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mpprefill.model.config import ModelConfig
+from mpprefill.model.config import ModelConfig, resolve_dtypes
 from mpprefill.model.llama import LlamaForCausalLM
 from mpprefill.model.parallel import TPRank
 from mpprefill.model.swa import with_sliding_window
@@ -30,14 +31,17 @@ def load_model(
     sliding_window: int | None = None,
     swa_layers: str | None = None,
     tp: TPRank | None = None,
+    dtype: str = "auto",
 ) -> LlamaForCausalLM:
     """None: ModelConfig.tiny() with seeded random weights. A path: an HF Llama/Qwen2 checkpoint.
 
     `sliding_window` / `swa_layers` (the flags) turn layers into sliding-window layers.
     With `tp` of several ranks: this rank's shard, read from the checkpoint alone (the
-    random weights are those of the whole model, sharded).
+    random weights are those of the whole model, sharded). `dtype` (--dtype): the weights'
+    and activations'; auto: the checkpoint's, float32 for the built-in model. Checkpoint
+    tensors are cast to it as they are copied in, up or down.
     """
-    config = _config(model_path, sliding_window, swa_layers)
+    config = _config(model_path, sliding_window, swa_layers, dtype)
     model = LlamaForCausalLM(config, device=device, tp=tp)
     if model_path is None and model.tp is None:
         model.init_random_weights(seed)
@@ -56,13 +60,17 @@ def load_model(
 
 
 def config_from_args(args: ServerArgs) -> ModelConfig:
-    """The config the server's flags name, sliding-window flags applied, without weights."""
-    return _config(args.model_path, args.sliding_window, args.swa_layers)
+    """The config the server's flags name, sliding-window flags and --dtype applied, without
+    weights."""
+    return _config(args.model_path, args.sliding_window, args.swa_layers, args.dtype)
 
 
-def _config(model_path: str | None, sliding_window: int | None, swa_layers: str | None):
+def _config(
+    model_path: str | None, sliding_window: int | None, swa_layers: str | None, dtype: str
+) -> ModelConfig:
     base = ModelConfig.tiny() if model_path is None else read_config(model_path)
-    return with_sliding_window(base, sliding_window, swa_layers)
+    served = resolve_dtypes(dtype, "auto", base.dtype).model
+    return with_sliding_window(dataclasses.replace(base, dtype=served), sliding_window, swa_layers)
 
 
 def model_from_args(
@@ -76,6 +84,7 @@ def model_from_args(
         sliding_window=args.sliding_window,
         swa_layers=args.swa_layers,
         tp=tp,
+        dtype=args.dtype,
     )
 
 
@@ -117,9 +126,11 @@ def load_hf_weights(model: LlamaForCausalLM, hf: dict[str, torch.Tensor]) -> Non
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """`src` into `dst`, cast to the model's dtype (a bfloat16 checkpoint served in float32
+    is upcast exactly)."""
     if dst.shape != src.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != {tuple(dst.shape)}")
-    dst.copy_(src)
+    dst.copy_(src.to(dst.dtype))
 
 
 def hf_name_table(config: ModelConfig) -> dict[str, tuple[str, slice]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -9,9 +10,11 @@ import torch
 from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import LlamaForCausalLM, ModelConfig
+from mpprefill.model.config import resolve_dtypes
 from mpprefill.model.loader import config_from_args, model_from_args
 from mpprefill.model.parallel import TPRank
 from mpprefill.worker.emulated import EmulatedDevice, EmulatedHostLink, host_config, host_model
+from mpprefill.worker.roofline import EMULATED_DTYPE, ModelShape, resolve_shape
 from mpprefill.worker.runner import ForwardRunner
 
 
@@ -48,9 +51,17 @@ def scheduler_threads(args: ServerArgs) -> int:
     return max(1, (os.cpu_count() or 1) - group_size(args) * forward_threads(args))
 
 
+def kv_dtype(args: ServerArgs, config: ModelConfig) -> torch.dtype:
+    """The KV pool's dtype: --kv-cache-dtype, auto: the model's (`config`: the worker's,
+    `worker_model_config(args)`, or a rank's shard of it). Every process that makes or
+    opens the pool asks here."""
+    return resolve_dtypes(args.dtype, args.kv_cache_dtype, config.dtype).kv_torch
+
+
 def worker_model_config(args: ServerArgs) -> ModelConfig:
-    """The config of the model the worker runs (for an emulated device, the small-width
-    stand-in with the emulated model's layer count)."""
+    """The config of the model the worker runs, in its served dtype (for an emulated
+    device, the small-width stand-in with the emulated model's layer count, in the dtype
+    --dtype resolves to for --model-path)."""
     if args.device == "emulated":
         return host_config(config_from_args(args), args.emulate_model)
     return config_from_args(args)
@@ -66,18 +77,27 @@ def worker_model(
     return model_from_args(args, device, tp)
 
 
+def emulated_shape(args: ServerArgs) -> ModelShape:
+    """--emulate-model's shape, its bytes per element those of --dtype and --kv-cache-dtype;
+    `auto` is the emulated model's own dtype (EMULATED_DTYPE), not the host stand-in's."""
+    dtypes = resolve_dtypes(args.dtype, args.kv_cache_dtype, EMULATED_DTYPE)
+    model_bytes, kv_bytes = dtypes.itemsizes
+    shape = resolve_shape(args.emulate_model)
+    return dataclasses.replace(shape, dtype_bytes=model_bytes, kv_dtype_bytes=kv_bytes)
+
+
 def emulated_device(args: ServerArgs) -> EmulatedDevice | None:
     """The accelerator's clock for --device emulated, else None."""
     if args.device != "emulated":
         return None
-    return EmulatedDevice.of(args.emulate_model, args.emulate_gpu, args.tp_size)
+    return EmulatedDevice(emulated_shape(args), args.emulate_gpu, args.tp_size)
 
 
 def emulated_host_link(args: ServerArgs) -> EmulatedHostLink | None:
     """The host link the host KV tier's copies take on --device emulated, else None."""
     if args.device != "emulated":
         return None
-    return EmulatedHostLink.of(args.emulate_model, args.emulate_gpu, args.tp_size)
+    return EmulatedHostLink(emulated_shape(args), args.emulate_gpu, args.tp_size)
 
 
 def build_runner(
@@ -93,5 +113,6 @@ def build_runner(
     model = worker_model(args, config or worker_model_config(args), device, tp)
     model.set_attention_backend(args.attention_backend)
     cfg = model.kv_config
-    kv = KVCache.for_model(cfg, num_kv_slots(args), device, kv_buffer, swa_slots(args))
+    dtype = kv_dtype(args, cfg)
+    kv = KVCache.for_model(cfg, num_kv_slots(args), device, kv_buffer, swa_slots(args), dtype)
     return ForwardRunner(model, kv, emulated_device(args))

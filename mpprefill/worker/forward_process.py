@@ -41,6 +41,7 @@ from mpprefill.worker.api import ForwardInput
 from mpprefill.worker.build import (
     build_runner,
     forward_threads,
+    kv_dtype,
     num_kv_slots,
     swa_slots,
     worker_model_config,
@@ -319,7 +320,8 @@ def _runner(args: ServerArgs, plan: DevicePlan, prefix: str, tp: TPRank | None =
     shape = KVCache.model_storage_shape(kv_cfg, num_slots, swa_slots(args))
     # NOTE: populated, as torch.zeros touches an in-process pool: first-touch faults would
     # otherwise land in the forwards (18% of uncached ITPS at 0.5B/8,192 emulated)
-    kv_shared = ipc.SharedTensor.create(shape, cfg.torch_dtype, prefix, plan.device, populate=True)
+    dtype = kv_dtype(args, kv_cfg)
+    kv_shared = ipc.SharedTensor.create(shape, dtype, prefix, plan.device, populate=True)
     return build_runner(args, plan.device, kv_shared.tensor, cfg, tp), kv_shared
 
 

@@ -17,7 +17,7 @@ from mpprefill.model import ModelConfig
 from mpprefill.model.loader import config_from_args
 from mpprefill.model.parallel import TPRank, check_shardable, shard_config
 from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied, sleep_until_ns
-from mpprefill.worker.build import group_size, num_kv_slots, swa_slots
+from mpprefill.worker.build import group_size, kv_dtype, num_kv_slots, swa_slots
 from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.events import NUM_SLOTS, forward_gen, sample_gen
 from mpprefill.worker.fence import KVWriteFence
@@ -141,12 +141,14 @@ class ProcessWorker(Worker):
         return shards
 
     def _pool(self, config: ModelConfig, ready: Ready) -> KVCache:
-        """A rank's KV pool (of `config`), over the segment its forward process shares."""
+        """A rank's KV pool (of `config`), over the segment its forward process shares; a
+        segment of another dtype than this side resolves is refused."""
         return KVCache.for_model(
             config,
             num_kv_slots(self.args),
             buffer=ipc.open_handle(ready.kv),
             num_swa_slots=swa_slots(self.args),
+            dtype=kv_dtype(self.args, config),
         )
 
     @property

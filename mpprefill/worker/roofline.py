@@ -2,7 +2,8 @@
 
 The host runs the model at tiny width; the device is a `DeviceClock` whose pieces of
 work last what this roofline says the real model would take. Per decoder layer of one
-ragged prefill batch (T = Σ e tokens, b = dtype bytes, P = linear params per layer):
+ragged prefill batch (T = Σ e tokens, b = bytes per weight or activation, P = linear params
+per layer):
 
 | part      | FLOPs                          | bytes                                   |
 |-----------|--------------------------------|-----------------------------------------|
@@ -13,7 +14,8 @@ ragged prefill batch (T = Σ e tokens, b = dtype bytes, P = linear params per la
 A request extends e tokens after a cached prefix of p; its j-th new token attends the
 p + j + 1 positions up to itself, which sums to e·(p + (e + 1)/2) query-key pairs, each
 2·d FLOPs for QKᵀ and 2·d for PV per head. The attention reads the whole KV (p + e rows
-of kv_row = 2·kv_heads·d·b bytes) and writes e rows. A sliding-window layer of window W
+of kv_row = 2·kv_heads·d·b_kv bytes, b_kv the KV pool's bytes per element) and writes e
+rows. The FLOP rates are the GPUs' dense BF16 ones whatever b is. A sliding-window layer of window W
 attends min(p + j + 1, W) positions and reads the KV from max(0, p - W + 1) on. Each part takes
 max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth); a layer never finishes faster
 than its kernels' launch floor. The head computes logits for R requests' last tokens only.
@@ -69,6 +71,9 @@ HOST_LINK_EFFICIENCY = 0.8
 # A host-tier copy is a gather or scatter kernel on the device and one DMA transfer.
 KERNELS_PER_HOST_COPY = 2
 CONFIG_NAME = "config.json"
+# The emulated models' own dtype, presets and config.json files alike: what --dtype auto
+# and --kv-cache-dtype auto charge (ModelShape's bytes per element).
+EMULATED_DTYPE = "bfloat16"
 
 
 # NOTE: no slots: a frozen slotted dataclass does not unpickle on Python 3.10 (spawn).
@@ -140,8 +145,9 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab: int
-    dtype_bytes: int = 2
+    dtype_bytes: int = 2  # weights and activations
     name: str = ""
+    kv_dtype_bytes: int = 2  # the KV pool's elements
 
     def __post_init__(self):
         for key in (f.name for f in dataclasses.fields(self) if f.name != "name"):
@@ -172,7 +178,7 @@ class ModelShape:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token in one layer."""
-        return 2 * self.kv_width * self.dtype_bytes
+        return 2 * self.kv_width * self.kv_dtype_bytes
 
     def shard(self, tp: int) -> ModelShape:
         """One rank's shape at tensor parallel `tp`: its heads, KV heads (one, replicated,

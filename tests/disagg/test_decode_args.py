@@ -1,12 +1,19 @@
-"""The decode receiver's pool follows an emulated prefill's stand-in model."""
+"""The decode receiver's pool follows an emulated prefill's stand-in model and the
+prefill's dtypes."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from mpprefill.bench.runner import BenchConfig
+from mpprefill.cli import build_parser
+from mpprefill.config import ServerArgs
 from mpprefill.disagg.decode.args import DecodeArgs
-from mpprefill.disagg.decode.receiver import pool_model_config
+from mpprefill.disagg.decode.receiver import pool_dtypes, pool_model_config
 from mpprefill.model import ModelConfig
+from mpprefill.model.config import Dtypes
+from mpprefill.worker.build import kv_dtype, worker_model_config
 from mpprefill.worker.emulated import host_config
 
 
@@ -17,6 +24,40 @@ def test_pool_model_follows_the_emulated_prefill():
     assert emulated.num_hidden_layers == 32
     with pytest.raises(ValueError, match="verify"):
         DecodeArgs(emulate_model="Llama-3.1-8B", verify=True)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"dtype": "bfloat16"}, {"kv_cache_dtype": "float16"}, {"emulate_model": "Llama-3.1-8B"}],
+)
+def test_the_decode_pool_takes_the_prefills_dtype_from_the_same_flags(kw):
+    args = DecodeArgs(**kw)
+    dtypes = pool_dtypes(args, pool_model_config(args))
+    prefill_kw = {k: v for k, v in kw.items() if k != "emulate_model"}
+    if "emulate_model" in kw:
+        prefill_kw.update(device="emulated", emulate_model=kw["emulate_model"])
+    prefill = ServerArgs(**prefill_kw)
+    assert dtypes.kv_torch == kv_dtype(prefill, worker_model_config(prefill))
+    assert pool_model_config(args).dtype == worker_model_config(prefill).dtype == dtypes.model
+
+
+def test_decode_dtype_flags():
+    assert pool_dtypes(DecodeArgs(), ModelConfig.tiny()) == Dtypes("float32", "float32")
+    args = build_parser().parse_args(["decode", "--dtype", "bfloat16", "--kv-cache-dtype", "auto"])
+    assert (args.dtype, args.kv_cache_dtype) == ("bfloat16", "auto")
+    with pytest.raises(ValueError, match="--dtype"):
+        DecodeArgs(dtype="float64")
+    for command in ("bench", "profile"):
+        args = build_parser().parse_args([command, "--dtype", "float16"])
+        assert args.dtype == "float16" and args.kv_cache_dtype == "auto"
+
+
+def test_the_bench_passes_the_dtypes_to_its_prefill_and_decode_servers():
+    cfg = BenchConfig(ServerArgs(dtype="bfloat16", kv_cache_dtype="float32"), ["normal"])
+    for flags in (cfg.server_flags("normal", None), cfg.decode_flags()):
+        assert flags[flags.index("--dtype") + 1] == "bfloat16"
+        assert flags[flags.index("--kv-cache-dtype") + 1] == "float32"
+    assert kv_dtype(cfg.server, worker_model_config(cfg.server)) == torch.float32
 
 
 def test_eos_ids_come_from_both_config_files(tmp_path):

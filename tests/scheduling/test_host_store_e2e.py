@@ -69,6 +69,20 @@ def test_revisited_prefixes_load_from_the_host_and_match_no_cache(mode, no_host_
     tier.check()
 
 
+def test_bfloat16_host_tier_holds_the_pools_dtype():
+    """A bfloat16 pool in the forward process's segment: the host tier's pages are bfloat16
+    and the revisited prefixes load from it as in float32."""
+    _, outs, metrics, tier = run_two_passes("proc-ahead", host_store_size=4096, dtype="bfloat16")
+    assert tier.store.kv.dtype == torch.bfloat16
+    assert metrics.host_loaded_tokens > 0 and metrics.host_written_tokens > 0
+    assert [o.cached_tokens for o in outs] == [SYSTEM_LEN] * NUM_SYSTEMS
+    _, recomputed, _, _ = run_two_passes("normal", dtype="bfloat16", disable_radix_cache=True)
+    for o, r in zip(outs, recomputed, strict=True):
+        # the same bfloat16 model over KV that took the host round trip or was recomputed
+        torch.testing.assert_close(o.logits, r.logits, atol=5e-2, rtol=0)
+    tier.check()
+
+
 def host_bytes(tier) -> tuple[dict, torch.Tensor]:
     """The index as {token chain: host page} and the held slots' bytes, in page order."""
     entries = sorted(tier.store.index.entries(), key=lambda e: e.page)

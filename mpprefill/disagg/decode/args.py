@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from mpprefill.config import ServerArgs
+from mpprefill.config import DTYPES, ServerArgs
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import DECODE_BACKENDS
 from mpprefill.disagg.decode.delay import TransferDelay
@@ -56,6 +56,8 @@ class DecodeArgs:
     verify: bool = _f(False, "recompute each prompt's KV and compare it to what arrived")
     sliding_window: int | None = _server("sliding_window")
     swa_layers: str | None = _server("swa_layers")
+    dtype: str = _server("dtype")
+    kv_cache_dtype: str = _server("kv_cache_dtype")
     emulate_model: str | None = _f(
         None,
         "the prefill side runs --device emulated with this --emulate-model: size the pool"
@@ -78,6 +80,9 @@ class DecodeArgs:
             raise ValueError(f"--disaggregation-transfer-backend: one of {DECODE_BACKENDS}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"--sliding-window must be positive, got {self.sliding_window}")
+        for name, value in (("dtype", self.dtype), ("kv-cache-dtype", self.kv_cache_dtype)):
+            if value not in DTYPES:
+                raise ValueError(f"--{name}: one of {DTYPES}, got {value!r}")
         if min(self.register_timeout, self.waiting_timeout) <= 0:
             raise ValueError("--register-timeout and --waiting-timeout must be positive")
         if self.max_queued_registrations < 0:

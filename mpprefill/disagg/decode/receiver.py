@@ -12,16 +12,18 @@ to `arrived` with its pages, which are then the server's.
 A room belongs to the connection that registered it (the router) and to the first prefill
 that bootstraps it (`Room.peer`): a bootstrap, transfer_done or abort from anyone else is
 refused. Every reply to a prefill names this run (`instance`), and a transfer_done must name
-it back. A bootstrap names the prefill's tensor-parallel size and the KV heads of each pool
-it writes; a room whose pools do not tile this pool's heads fails at its bootstrap, before
-any page is written (a prefill at any TP size fills this pool, each pool its heads of
-every slot). Everything waits against a deadline: registrations for pages
-(`--register-timeout`), rooms for their KV (`--waiting-timeout`), aborted rooms for the
-prefill's confirmation (_DRAIN_S); registrations waiting are capped.
+it back. A bootstrap names the prefill's tensor-parallel size, the KV heads of each pool it
+writes and their dtype; a room whose pools do not tile this pool's heads, or hold another
+dtype than this pool's, fails at its bootstrap, before any page is written (a prefill at
+any TP size fills this pool, each pool its heads of every slot; pages are copied as bytes).
+Everything waits against a deadline: registrations for pages (`--register-timeout`), rooms
+for their KV (`--waiting-timeout`), aborted rooms for the prefill's confirmation
+(_DRAIN_S); registrations waiting are capped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -40,6 +42,7 @@ from mpprefill.disagg.decode.verify import KVVerifier
 from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig
+from mpprefill.model.config import Dtypes, resolve_dtypes
 from mpprefill.model.loader import read_config
 
 logger = logging.getLogger(__name__)
@@ -71,13 +74,21 @@ class Pending:
 
 
 def pool_model_config(args: DecodeArgs) -> ModelConfig:
-    """The model whose KV this receiver's pool holds."""
+    """The model whose KV this receiver's pool holds, in the dtype --dtype serves it in."""
     config = ModelConfig.tiny() if args.model_path is None else read_config(args.model_path)
+    served = resolve_dtypes(args.dtype, "auto", config.dtype).model
+    config = dataclasses.replace(config, dtype=served)
     if args.emulate_model is None:
         return config
     from mpprefill.worker.emulated import host_config
 
     return host_config(config, args.emulate_model)
+
+
+def pool_dtypes(args: DecodeArgs, config: ModelConfig) -> Dtypes:
+    """The model's and the pool's dtype (`config`: pool_model_config's), resolved as the
+    prefill resolves them from the same flags and checkpoint."""
+    return resolve_dtypes(args.dtype, args.kv_cache_dtype, config.dtype)
 
 
 class DecodeReceiver:
@@ -89,14 +100,14 @@ class DecodeReceiver:
         config = pool_model_config(args)
         layers, heads, dim = KVCache.model_dims(config)
         num_pages = args.max_total_tokens // args.page_size
-        dtype_name = str(config.torch_dtype).removeprefix("torch.")
+        dtypes = pool_dtypes(args, config)
         self.layout = wire.PoolLayout(
-            dtype_name, layers, num_pages * args.page_size, heads, dim, args.page_size
+            dtypes.kv, layers, num_pages * args.page_size, heads, dim, args.page_size
         )
         # first: bad flags leak no pool
-        self.verifier = KVVerifier(args, model) if args.verify else None
+        self.verifier = KVVerifier(args, model, dtypes.kv_torch) if args.verify else None
         backend = args.disaggregation_transfer_backend
-        self.pool = make_decode_pool(backend, self.layout, config.torch_dtype, args.host)
+        self.pool = make_decode_pool(backend, self.layout, dtypes.kv_torch, args.host)
         self._pool_desc = self.pool.describe()
         self.allocator = PagedTokenAllocator(num_pages, args.page_size)
         self.instance = secrets.token_hex(8)
@@ -268,7 +279,8 @@ class DecodeReceiver:
             self._send(ident, wire.BootstrapReply(msg.room, "error", error=error))
             return
         error = wire.head_tiling_error(msg.kv_heads, self.layout.num_kv_heads, msg.tp_size)
-        if error is not None:  # its pages would land at the wrong heads: nothing is written
+        error = error or wire.dtype_error(msg.dtype, self.layout.dtype)
+        if error is not None:  # wrong heads or another dtype: nothing is written
             logger.warning("room %d refused: %s", msg.room, error)
             self._send(ident, wire.BootstrapReply(msg.room, "error", error=error))
             self._finish(room, wire.RouterReply(room.rid, "error", error=error))

@@ -140,6 +140,24 @@ def test_writes_in_flight_are_never_evicted():
     store.check()
 
 
+def test_bfloat16_pages_round_trip_bit_for_bit():
+    """The store takes the pool's dtype; a write-back and a load move its bytes unchanged."""
+    kv = KVCache(2, 64, 2, 8, torch.bfloat16)
+    kv.buffer.copy_(torch.randn(kv.buffer.shape))
+    store = make_store(8, kv)
+    assert store.kv.dtype == torch.bfloat16 and store.buffers.dtype == torch.bfloat16
+    ids, dev = tokens(1, 3), torch.arange(12)
+    _, host_slots, _ = write(store, kv, ids, dev)
+    store.retire(wait=True)
+    bits = kv.gather(dev).view(torch.int16)
+    assert torch.equal(store.kv.gather(host_slots).view(torch.int16), bits)
+    target = torch.arange(40, 52)
+    store.load(store.match(ids), kv, target).result()
+    assert torch.equal(kv.gather(target).view(torch.int16), bits)
+    assert store.buffers.spare_bytes() % 2 == 0 and store.buffers.spare_bytes() > 0
+    store.check()
+
+
 def test_check_catches_a_page_freed_while_held():
     kv = device_kv()
     store = make_store(4, kv)
