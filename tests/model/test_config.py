@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from mpprefill.model import ModelConfig
+from mpprefill.model import ModelConfig, config_from_hf
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -55,26 +55,26 @@ def test_explicit_head_dim_overrides_the_division():
 
 
 def test_from_hf_llama():
-    cfg = ModelConfig.from_hf(LLAMA)
+    cfg = config_from_hf(LLAMA)
     assert cfg.architecture == "LlamaForCausalLM"
     assert (cfg.num_key_value_heads, cfg.head_size, cfg.rope_theta) == (4, 16, 500000.0)
     assert cfg.tie_word_embeddings and not cfg.attention_bias and not cfg.attention_out_bias
 
 
 def test_from_hf_llama_attention_bias_covers_o_proj():
-    cfg = ModelConfig.from_hf({**LLAMA, "attention_bias": True})
+    cfg = config_from_hf({**LLAMA, "attention_bias": True})
     assert cfg.attention_bias and cfg.attention_out_bias
 
 
 def test_from_hf_qwen2_has_qkv_bias_only():
-    cfg = ModelConfig.from_hf({**LLAMA, "architectures": ["Qwen2ForCausalLM"]})
+    cfg = config_from_hf({**LLAMA, "architectures": ["Qwen2ForCausalLM"]})
     assert cfg.attention_bias and not cfg.attention_out_bias
 
 
 def test_from_hf_reads_rope_parameters_and_defaults():
     hf = {k: v for k, v in LLAMA.items() if k not in ("rope_theta", "num_key_value_heads")}
     hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 50000.0}
-    cfg = ModelConfig.from_hf(hf)
+    cfg = config_from_hf(hf)
     assert cfg.rope_theta == 50000.0
     assert cfg.num_key_value_heads == cfg.num_attention_heads
 
@@ -82,24 +82,29 @@ def test_from_hf_reads_rope_parameters_and_defaults():
 def test_from_hf_falls_back_to_model_type():
     hf = {**LLAMA, "model_type": "qwen2"}
     del hf["architectures"]
-    assert ModelConfig.from_hf(hf).architecture == "Qwen2ForCausalLM"
+    assert config_from_hf(hf).architecture == "Qwen2ForCausalLM"
 
 
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM.*LlamaForCausalLM"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+        ({"architectures": ["MixtralForCausalLM"]}, "MixtralForCausalLM.*LlamaForCausalLM"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3.*low_freq_factor"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "longrope"),
+        ({"rope_scaling": {"type": "linear"}}, "linear.*factor"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0, "mrope": 1}}, "mrope"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"pretraining_tp": 2}, "pretraining_tp"),
         ({"hidden_act": "gelu"}, "gelu"),
         ({"vocab_size": None}, "vocab_size"),
     ],
 )
 def test_from_hf_refuses_what_it_cannot_run(change, match):
     with pytest.raises(ValueError, match=match):
-        ModelConfig.from_hf({**LLAMA, **change})
+        config_from_hf({**LLAMA, **change})
 
 
 def test_from_hf_accepts_default_rope_scaling():
-    cfg = ModelConfig.from_hf({**LLAMA, "rope_scaling": {"rope_type": "default"}})
+    cfg = config_from_hf({**LLAMA, "rope_scaling": {"rope_type": "default"}})
     assert cfg.rope_theta == 500000.0

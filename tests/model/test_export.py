@@ -2,9 +2,8 @@ import dataclasses
 
 import torch
 
-from mpprefill.model import ModelConfig, load_model
+from mpprefill.model import LlamaForCausalLM, ModelConfig, load_model
 from mpprefill.model.export import save_random_model
-from mpprefill.model.llama import LlamaForCausalLM
 
 
 def test_saved_random_model_loads_back_identical(tmp_path):
