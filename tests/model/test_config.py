@@ -108,3 +108,51 @@ def test_from_hf_refuses_what_it_cannot_run(change, match):
 def test_from_hf_accepts_default_rope_scaling():
     cfg = config_from_hf({**LLAMA, "rope_scaling": {"rope_type": "default"}})
     assert cfg.rope_theta == 500000.0
+
+
+def test_from_hf_mistral_window_applies_to_every_layer():
+    mistral = {**LLAMA, "architectures": ["MistralForCausalLM"]}
+    cfg = config_from_hf(mistral)  # no sliding_window key: transformers' 4096
+    assert cfg.sliding_window == 4096 and all(cfg.is_sliding(i) for i in range(3))
+    assert not config_from_hf({**mistral, "sliding_window": None}).has_sliding_layers
+    assert not cfg.attention_bias and not cfg.attention_out_bias
+
+
+def test_from_hf_qwen3_head_dim_bias_and_window():
+    qwen3 = {**LLAMA, "architectures": ["Qwen3ForCausalLM"]}
+    cfg = config_from_hf(qwen3)
+    assert cfg.head_size == 128 and not cfg.attention_bias  # transformers' default head_dim
+    assert not cfg.has_sliding_layers  # the window needs use_sliding_window
+    cfg = config_from_hf(
+        {**qwen3, "head_dim": 32, "attention_bias": True, "use_sliding_window": True}
+    )
+    assert cfg.head_size == 32 and cfg.attention_bias and cfg.attention_out_bias
+    assert cfg.sliding_window == 4096 and not cfg.has_sliding_layers  # max_window_layers 28
+    cfg = config_from_hf({**qwen3, "use_sliding_window": True, "max_window_layers": 1})
+    assert [cfg.is_sliding(i) for i in range(3)] == [False, True, True]
+
+
+@pytest.mark.parametrize(
+    "arch, change, match",
+    [
+        ("MistralForCausalLM", {"attention_bias": True}, "attention_bias"),
+        ("MistralForCausalLM", {"layer_types": ["full_attention"] * 3}, "layer_types"),
+        ("Qwen3ForCausalLM", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
+        ("Qwen3ForCausalLM", {"rope_scaling": {"rope_type": "mrope", "factor": 2}}, "mrope"),
+        ("Qwen2ForCausalLM", {"quantization_config": {"quant_method": "awq"}}, "quantization"),
+    ],
+)
+def test_from_hf_refuses_fields_a_family_does_not_run(arch, change, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_hf({**LLAMA, "architectures": [arch], **change})
+
+
+def test_from_hf_reads_each_rope_type():
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+    llama3 |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+    cfg = config_from_hf({**LLAMA, "rope_scaling": llama3})
+    assert cfg.rope_scaling.rope_type == "llama3" and cfg.rope_theta == 500000.0
+    cfg = config_from_hf({**LLAMA, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    assert cfg.rope_scaling.original_max_position_embeddings == 4096  # max_position_embeddings
+    cfg = config_from_hf({**LLAMA, "rope_scaling": {"type": "dynamic", "factor": 2}})
+    assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == ("dynamic", 2)
