@@ -1,17 +1,57 @@
-"""Model shape: one frozen dataclass, built in (tiny) or read from an HF config.json dict."""
+"""Model shape: one frozen dataclass, built in (tiny) or read from an HF config.json dict by
+the architecture's family (`families.config_from_hf`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+# NOTE: the registry (`families/__init__.py`) holds one family for each of these; a test
+# keeps the two in step.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3ForCausalLM",
+)
 LAYER_TYPES = ("full_attention", "sliding_attention")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPES = tuple(_DTYPES)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A rotary scaling other than the default, as config.json's rope_scaling (or
+    rope_parameters) names it; `layers/rotary.py` turns it into frequencies. Fields a type
+    does not use stay None."""
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    attention_factor: float | None = None  # yarn; None: derived from factor (and mscales)
+    beta_fast: float | None = None  # yarn; None: 32
+    beta_slow: float | None = None  # yarn; None: 1
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the correction range outwards
+
+    def __post_init__(self) -> None:
+        _require(
+            self.rope_type in ROPE_TYPES,
+            f"rope type {self.rope_type!r} is not supported; known: default, {ROPE_TYPES}",
+        )
+        _require(self.factor > 0, f"rope factor must be positive, got {self.factor}")
+        needs = {
+            "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+            "yarn": ("original_max_position_embeddings",),
+        }.get(self.rope_type, ())
+        missing = [k for k in needs if getattr(self, k) is None]
+        _require(not missing, f"rope type {self.rope_type!r} needs {missing}")
 
 
 @dataclass(frozen=True)
@@ -27,6 +67,7 @@ class ModelConfig:
     head_dim: int = 0
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: the default rotary
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -115,28 +156,6 @@ class ModelConfig:
         """The built-in default model: a 2048-token CPU forward well under a second."""
         return cls()
 
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from an HF config.json dict (Llama or Qwen2), in the checkpoint's dtype."""
-        arch = _architecture(hf)
-        _check_supported_features(hf)
-        qwen2 = arch == "Qwen2ForCausalLM"
-        attn_bias = True if qwen2 else bool(hf.get("attention_bias", False))
-        missing = [k for k in _HF_KEYS if hf.get(k) is None]
-        _require(not missing, f"config.json lacks required keys: {missing}")
-        return cls(
-            **{k: hf[k] for k in _HF_KEYS},
-            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=int(hf.get("head_dim") or 0),
-            rope_theta=_rope_theta(hf),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=attn_bias,
-            attention_out_bias=attn_bias and not qwen2,
-            architecture=arch,
-            dtype=_checkpoint_dtype(hf),
-            **_sliding(hf, qwen2),
-        )
-
 
 class Dtypes(NamedTuple):
     """What a server runs in: the model's weights and activations, and its KV pool."""
@@ -168,70 +187,6 @@ def resolve_dtypes(dtype: str, kv_cache_dtype: str, checkpoint: str) -> Dtypes:
     return Dtypes(model, model if kv_cache_dtype == "auto" else kv_cache_dtype)
 
 
-_HF_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "rms_norm_eps",
-    "max_position_embeddings",
-)
-
-
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
-
-
-def _architecture(hf: dict[str, Any]) -> str:
-    archs = hf.get("architectures") or []
-    arch = archs[0] if archs else _MODEL_TYPES.get(hf.get("model_type", ""), "")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {arch or hf.get('model_type')!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return arch
-
-
-def _check_supported_features(hf: dict[str, Any]) -> None:
-    act = hf.get("hidden_act", "silu")
-    _require(act == "silu", f"hidden_act {act!r} is not supported (only 'silu')")
-    _require(not hf.get("mlp_bias", False), "mlp_bias=true is not supported")
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = hf.get(key) or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        _require(kind == "default", f"{key} of type {kind!r} is not supported (only default)")
-
-
-def _sliding(hf: dict[str, Any], qwen2: bool) -> dict[str, Any]:
-    """Window and layer types as transformers derives them from config.json."""
-    window = hf.get("sliding_window")
-    if qwen2 and not hf.get("use_sliding_window", False):
-        window = None  # Qwen2 ignores the window unless use_sliding_window is set
-    types = hf.get("layer_types")
-    if types is None and qwen2 and window is not None:
-        first = hf.get("max_window_layers", 28)
-        types = [
-            "sliding_attention" if i >= first else "full_attention"
-            for i in range(hf["num_hidden_layers"])
-        ]
-    if types is None or window is None:
-        return {}
-    return {"sliding_window": int(window), "layer_types": tuple(types)}
-
-
-def _checkpoint_dtype(hf: dict[str, Any]) -> str:
-    """config.json's dtype: `torch_dtype`, or `dtype` as transformers 5 writes it; float32
-    where it names none, as transformers loads such a checkpoint."""
-    name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    name = str(name).removeprefix("torch.")
-    _require(name in _DTYPES, f"config.json's torch_dtype {name!r} is not one of {DTYPES}")
-    return name
-
-
-def _rope_theta(hf: dict[str, Any]) -> float:
-    # NOTE: newer config.json files keep theta under rope_parameters instead of the top level.
-    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta")
-    return float(theta or 10000.0)

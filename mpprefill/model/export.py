@@ -7,27 +7,38 @@ import json
 import os
 
 from mpprefill.model.config import ModelConfig
-from mpprefill.model.llama import LlamaForCausalLM
+from mpprefill.model.families import build_model, family
 from mpprefill.model.loader import hf_state_dict
 
 
 def hf_config(config: ModelConfig) -> dict:
     d = dataclasses.asdict(config)
-    return {
+    scaling = d.pop("rope_scaling")
+    out = {
         "architectures": [d.pop("architecture")],
-        "model_type": "llama" if config.architecture == "LlamaForCausalLM" else "qwen2",
+        "model_type": family(config.architecture).model_type,
         "hidden_act": "silu",
         "torch_dtype": d.pop("dtype"),
         "head_dim": config.head_size,
         **{k: v for k, v in d.items() if k not in ("head_dim", "attention_out_bias")},
     }
+    if scaling is not None:
+        yarn = scaling["rope_type"] == "yarn"
+        out["rope_scaling"] = {
+            k: v for k, v in scaling.items() if v is not None and (yarn or k != "truncate")
+        }
+    if config.sliding_window is not None and config.architecture != "MistralForCausalLM":
+        out["use_sliding_window"] = True  # the Qwen families read the window only with it
+    if config.architecture == "MistralForCausalLM":
+        del out["layer_types"]  # every layer of a Mistral slides, or none
+    return out
 
 
 def save_random_model(config: ModelConfig, path: str, seed: int = 0) -> str:
     """A seeded random model of `config`, saved so that `load_model(path)` reads it back."""
     from safetensors.torch import save_file
 
-    model = LlamaForCausalLM(config)
+    model = build_model(config)
     model.init_random_weights(seed)
     tensors = hf_state_dict(model)
     os.makedirs(path, exist_ok=True)

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from mpprefill.model.config import ModelConfig, resolve_dtypes
-from mpprefill.model.llama import LlamaForCausalLM
-from mpprefill.model.parallel import TPRank
+from mpprefill.model.decoder import CausalLM
+from mpprefill.model.families import build_model, config_from_hf, family
+from mpprefill.model.parallel import ShardEntry, TPRank
 from mpprefill.model.swa import with_sliding_window
 
 if TYPE_CHECKING:
@@ -32,8 +33,9 @@ def load_model(
     swa_layers: str | None = None,
     tp: TPRank | None = None,
     dtype: str = "auto",
-) -> LlamaForCausalLM:
-    """None: ModelConfig.tiny() with seeded random weights. A path: an HF Llama/Qwen2 checkpoint.
+) -> CausalLM:
+    """None: ModelConfig.tiny() with seeded random weights. A path: an HF checkpoint of a
+    family in the registry (`families/`).
 
     `sliding_window` / `swa_layers` (the flags) turn layers into sliding-window layers.
     With `tp` of several ranks: this rank's shard, read from the checkpoint alone (the
@@ -42,12 +44,12 @@ def load_model(
     tensors are cast to it as they are copied in, up or down.
     """
     config = _config(model_path, sliding_window, swa_layers, dtype)
-    model = LlamaForCausalLM(config, device=device, tp=tp)
+    model = build_model(config, device=device, tp=tp)
     if model_path is None and model.tp is None:
         model.init_random_weights(seed)
         return model
     if model_path is None:
-        whole = LlamaForCausalLM(config)
+        whole = build_model(config)
         whole.init_random_weights(seed)
         load_tp_weights(model, hf_state_dict(whole))
         return model
@@ -75,7 +77,7 @@ def _config(
 
 def model_from_args(
     args: ServerArgs, device: torch.device | str, tp: TPRank | None = None
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The model the server's flags name, on `device` (this rank's shard with `tp`)."""
     return load_model(
         args.model_path,
@@ -95,7 +97,7 @@ def read_config(model_path: str) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in model path {model_path!r}")
-    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+    return config_from_hf(json.loads(config_file.read_text()))
 
 
 def read_safetensors(model_path: str) -> dict[str, torch.Tensor]:
@@ -115,7 +117,7 @@ def read_safetensors(model_path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_hf_weights(model: LlamaForCausalLM, hf: dict[str, torch.Tensor]) -> None:
+def load_hf_weights(model: CausalLM, hf: dict[str, torch.Tensor]) -> None:
     """Copy HF-named tensors into the model's (fused) parameters; all must match exactly."""
     table = hf_name_table(model.config)
     _check_names(model.config, table, hf)
@@ -149,7 +151,7 @@ def _check_names(config: ModelConfig, table: dict, names) -> None:
         raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
 
 
-def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """A whole (unsharded) model's weights under their HF names."""
     params = dict(model.named_parameters())
     return {
@@ -196,13 +198,7 @@ class _WholeTensors:
         return t[rows] if t.dim() == 1 else t[rows, cols]
 
 
-# (our parameter, its rows, the checkpoint tensor's rows, its columns) for one rank
-ShardEntry = tuple[str, slice, slice, slice]
-
-
-def load_tp_weights(
-    model: LlamaForCausalLM, source: SafetensorsShards | dict[str, torch.Tensor]
-) -> None:
+def load_tp_weights(model: CausalLM, source: SafetensorsShards | dict[str, torch.Tensor]) -> None:
     """Copy this rank's part of each HF tensor into the sharded model's parameters."""
     if isinstance(source, dict):
         source = _WholeTensors(source)
@@ -217,54 +213,6 @@ def load_tp_weights(
 
 
 def tp_shard_table(config: ModelConfig, tp: TPRank) -> dict[str, ShardEntry]:
-    """HF tensor name -> where rank `tp.rank`'s part of it goes (see `parallel.py`)."""
-    whole = slice(None)
-    vocab = _span(tp.vocab(config), 1)
-    local_vocab = slice(0, vocab.stop - vocab.start)
-    table = {
-        "model.embed_tokens.weight": ("tok_embeddings.weight", local_vocab, vocab, whole),
-        "model.norm.weight": ("norm.weight", whole, whole, whole),
-    }
-    if not config.tie_word_embeddings:
-        table["lm_head.weight"] = ("output.weight", local_vocab, vocab, whole)
-    for i in range(config.num_hidden_layers):
-        table.update(_tp_layer_table(config, tp, i))
-    return table
-
-
-def _tp_layer_table(config: ModelConfig, tp: TPRank, i: int) -> dict[str, ShardEntry]:
-    hf, ours = f"model.layers.{i}.", f"layers.{i}."
-    dim, whole = config.head_size, slice(None)
-    q = _span(tp.heads(config), dim)
-    kv = _span(tp.kv_heads(config), dim)
-    inter = _span(tp.intermediate(config), 1)
-    q_len, kv_len, i_len = q.stop - q.start, kv.stop - kv.start, inter.stop - inter.start
-    qkv = {
-        "q_proj": (slice(0, q_len), q),
-        "k_proj": (slice(q_len, q_len + kv_len), kv),
-        "v_proj": (slice(q_len + kv_len, q_len + 2 * kv_len), kv),
-    }
-    suffixes = ("weight", "bias") if config.attention_bias else ("weight",)
-    table = {
-        f"{hf}self_attn.{proj}.{s}": (f"{ours}attention.wqkv.{s}", dst, rows, whole)
-        for proj, (dst, rows) in qkv.items()
-        for s in suffixes
-    }
-    table[f"{hf}self_attn.o_proj.weight"] = (f"{ours}attention.wo.weight", whole, whole, q)
-    if config.attention_out_bias:
-        table[f"{hf}self_attn.o_proj.bias"] = (f"{ours}attention.wo.bias", whole, whole, whole)
-    gate, up = slice(0, i_len), slice(i_len, 2 * i_len)
-    table[f"{hf}mlp.gate_proj.weight"] = (f"{ours}feed_forward.w13.weight", gate, inter, whole)
-    table[f"{hf}mlp.up_proj.weight"] = (f"{ours}feed_forward.w13.weight", up, inter, whole)
-    table[f"{hf}mlp.down_proj.weight"] = (f"{ours}feed_forward.w2.weight", whole, whole, inter)
-    for norm, mine in (
-        ("input_layernorm", "attention_norm"),
-        ("post_attention_layernorm", "ffn_norm"),
-    ):
-        table[f"{hf}{norm}.weight"] = (f"{ours}{mine}.weight", whole, whole, whole)
-    return table
-
-
-def _span(r: range, width: int) -> slice:
-    """Rows r.start * width .. r.stop * width: the rows of heads (width: head_dim)."""
-    return slice(r.start * width, r.stop * width)
+    """HF tensor name -> where rank `tp.rank`'s part of it goes, as the config's family maps
+    it (see `parallel.py`)."""
+    return family(config.architecture).shard_table(config, tp)

@@ -9,7 +9,7 @@ import torch
 
 from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import LlamaForCausalLM, ModelConfig
+from mpprefill.model import CausalLM, ModelConfig
 from mpprefill.model.config import resolve_dtypes
 from mpprefill.model.loader import config_from_args, model_from_args
 from mpprefill.model.parallel import TPRank
@@ -69,7 +69,7 @@ def worker_model_config(args: ServerArgs) -> ModelConfig:
 
 def worker_model(
     args: ServerArgs, config: ModelConfig, device: str, tp: TPRank | None = None
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The model of `worker_model_config(args)` (`config`), on `device`; with `tp`, this
     rank's shard of it."""
     if args.device == "emulated":

@@ -35,7 +35,7 @@ import torch
 
 from ipc.events import GenEvent
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ForwardBatch, LlamaForCausalLM, ModelConfig
+from mpprefill.model import CausalLM, ForwardBatch, ModelConfig, build_model
 from mpprefill.worker.device import HostStream
 from mpprefill.worker.roofline import (
     GPUS,
@@ -75,8 +75,8 @@ def host_config(base: ModelConfig, emulate_model: str) -> ModelConfig:
     )
 
 
-def host_model(config: ModelConfig, seed: int) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(config, device="cpu")
+def host_model(config: ModelConfig, seed: int) -> CausalLM:
+    model = build_model(config, device="cpu")
     model.init_random_weights(seed)
     return model
 
@@ -127,7 +127,7 @@ class EmulatedDevice:
     def of(cls, emulate_model: str, gpu: str, tp_size: int = 1) -> EmulatedDevice:
         return cls(resolve_shape(emulate_model), gpu, tp_size)
 
-    def forward(self, model: LlamaForCausalLM, fb: ForwardBatch, kv: KVCache):
+    def forward(self, model: CausalLM, fb: ForwardBatch, kv: KVCache):
         extend = list(fb.extend_lens_cpu)
         prefix = list(fb.prefix_lens_cpu)
         config = model.config

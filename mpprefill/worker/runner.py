@@ -13,7 +13,7 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ForwardBatch, LlamaForCausalLM
+from mpprefill.model import CausalLM, ForwardBatch
 from mpprefill.model.guard import ForwardGuard, plain
 from mpprefill.sampling.info import SamplingBatchInfo
 from mpprefill.sampling.sampler import sample
@@ -44,7 +44,7 @@ class ForwardRunner:
     guard: ForwardGuard | None = None
     guard_log: str | None = None
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVCache, device=None):
+    def __init__(self, model: CausalLM, kv: KVCache, device=None):
         self.model = model
         self.kv = kv
         self.device = device

@@ -10,7 +10,7 @@ import torch
 
 from mpprefill.config import ServerArgs
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ModelConfig, load_model
+from mpprefill.model import ModelConfig, config_from_hf, load_model
 from mpprefill.model.config import Dtypes, resolve_dtypes
 from mpprefill.model.export import hf_config, save_random_model
 from mpprefill.model.loader import config_from_args, read_config
@@ -57,11 +57,11 @@ def test_server_args_resolve_against_the_checkpoint(bf16_dir):
 
 def test_config_json_names_its_dtype_either_way():
     base = {**hf_config(SMALL), "torch_dtype": None}
-    assert ModelConfig.from_hf({**base, "torch_dtype": "bfloat16"}).dtype == "bfloat16"
-    assert ModelConfig.from_hf({**base, "dtype": "float16"}).dtype == "float16"  # transformers 5
-    assert ModelConfig.from_hf(base).dtype == "float32"  # none named
+    assert config_from_hf({**base, "torch_dtype": "bfloat16"}).dtype == "bfloat16"
+    assert config_from_hf({**base, "dtype": "float16"}).dtype == "float16"  # transformers 5
+    assert config_from_hf(base).dtype == "float32"  # none named
     with pytest.raises(ValueError, match="torch_dtype 'float64'"):
-        ModelConfig.from_hf({**base, "torch_dtype": "float64"})
+        config_from_hf({**base, "torch_dtype": "float64"})
 
 
 def test_a_bfloat16_checkpoint_loads_in_any_dtype(bf16_dir):

@@ -1,10 +1,11 @@
 import dataclasses
 
+import pytest
 import torch
 
-from mpprefill.model import ModelConfig, load_model
+from mpprefill.model import LlamaForCausalLM, ModelConfig, build_model, load_model
+from mpprefill.model.config import RopeScaling
 from mpprefill.model.export import save_random_model
-from mpprefill.model.llama import LlamaForCausalLM
 
 
 def test_saved_random_model_loads_back_identical(tmp_path):
@@ -21,6 +22,47 @@ def test_saved_random_model_loads_back_identical(tmp_path):
     ref = LlamaForCausalLM(cfg)
     ref.init_random_weights(3)
     loaded = load_model(str(tmp_path))
+    assert loaded.config == dataclasses.replace(cfg, head_dim=cfg.head_size)
+    for (name, p), (_, q) in zip(ref.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(
+            architecture="MistralForCausalLM",
+            sliding_window=8,
+            layer_types=("sliding_attention",) * 2,
+        ),
+        dict(
+            architecture="Qwen3ForCausalLM",
+            head_dim=32,
+            sliding_window=8,
+            layer_types=("full_attention", "sliding_attention"),
+            rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=64),
+        ),
+        dict(
+            rope_scaling=RopeScaling("llama3", 8.0, 64, low_freq_factor=1.0, high_freq_factor=4.0)
+        ),
+    ],
+    ids=["mistral", "qwen3-yarn", "llama3"],
+)
+def test_each_family_saves_and_loads_back(tmp_path, changes):
+    cfg = dataclasses.replace(
+        ModelConfig.tiny(),
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **changes,
+    )
+    save_random_model(cfg, str(tmp_path), seed=5)
+    ref = build_model(cfg)
+    ref.init_random_weights(5)
+    loaded = load_model(str(tmp_path))
+    assert type(loaded) is type(ref)
     assert loaded.config == dataclasses.replace(cfg, head_dim=cfg.head_size)
     for (name, p), (_, q) in zip(ref.named_parameters(), loaded.named_parameters()):
         assert torch.equal(p, q), name

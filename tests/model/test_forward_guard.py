@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ForwardBatch, LlamaForCausalLM, ModelConfig
+from mpprefill.model import CausalLM, ForwardBatch, ModelConfig, build_model
+from mpprefill.model.config import RopeScaling
 from mpprefill.model.guard import DeviceRead, ForwardGuard, plain
 
 SLOTS = 8192
@@ -18,9 +19,9 @@ SLOTS = 8192
 MAX_CALLS_PER_LAYER = 64
 
 
-def model_of(layers: int = 4, **changes) -> tuple[LlamaForCausalLM, KVCache]:
+def model_of(layers: int = 4, **changes) -> tuple[CausalLM, KVCache]:
     cfg = dataclasses.replace(ModelConfig.tiny(), num_hidden_layers=layers, **changes)
-    model = LlamaForCausalLM(cfg)
+    model = build_model(cfg)
     model.init_random_weights()
     return model, KVCache.for_model(cfg, SLOTS)
 
@@ -73,8 +74,12 @@ def test_the_guard_lets_the_host_read_its_own_lengths_and_tensors():
         {},
         {"tie_word_embeddings": True, "attention_bias": True},
         {"sliding_window": 24, "layer_types": ("sliding_attention", "full_attention") * 2},
+        {"architecture": "Qwen3ForCausalLM", "head_dim": 64},
+        # the batch's 76 positions pass max_position_embeddings: a table of its own
+        {"rope_scaling": RopeScaling("dynamic", 2.0), "max_position_embeddings": 64},
+        {"rope_scaling": RopeScaling("yarn", 4.0, original_max_position_embeddings=16)},
     ],
-    ids=["plain", "tied-bias", "sliding"],
+    ids=["plain", "tied-bias", "sliding", "qwen3", "dynamic", "yarn"],
 )
 def test_a_forward_reads_no_device_tensor_and_the_guard_changes_nothing(changes):
     model, kv = model_of(**changes)
@@ -84,9 +89,12 @@ def test_a_forward_reads_no_device_tensor_and_the_guard_changes_nothing(changes)
     assert torch.equal(got, want)
 
 
-def test_calls_do_not_grow_with_the_requests_of_a_batch():
+@pytest.mark.parametrize(
+    "changes", [{}, {"architecture": "Qwen3ForCausalLM", "head_dim": 64}], ids=["llama", "qwen3"]
+)
+def test_calls_do_not_grow_with_the_requests_of_a_batch(changes):
     """64 x 16 new tokens and 4 x 256 (1,024 either way), each with 64 cached."""
-    model, kv = model_of()
+    model, kv = model_of(**changes)
     _, many = guarded_forward(model, kv, batch(64, 16))
     _, few = guarded_forward(model, kv, batch(4, 256))
     assert many <= 1.15 * few

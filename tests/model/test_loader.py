@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ForwardBatch, ModelConfig, load_model
-from mpprefill.model.llama import LlamaForCausalLM
+from mpprefill.model import ForwardBatch, LlamaForCausalLM, ModelConfig, load_model
 from mpprefill.model.loader import hf_name_table, load_hf_weights, read_config
 
 

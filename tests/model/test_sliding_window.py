@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ForwardBatch, ModelConfig, load_model
+from mpprefill.model import ForwardBatch, config_from_hf, load_model
 from tests.model.test_hf_oracle import DIMS, hf_last_logits, prompts, save, transformers
 
 WINDOW = 9
@@ -34,12 +34,12 @@ def test_config_follows_transformers_rules():
         "sliding_window": 16,
         "max_window_layers": 2,
     }
-    cfg = ModelConfig.from_hf(hf)
+    cfg = config_from_hf(hf)
     assert cfg.sliding_window == 16
     assert [cfg.is_sliding(i) for i in range(4)] == [False, False, True, True]
     hf["use_sliding_window"] = False  # Qwen2 ignores the window then, even with layer_types
     hf["layer_types"] = ["sliding_attention"] * 4
-    assert not ModelConfig.from_hf(hf).has_sliding_layers
+    assert not config_from_hf(hf).has_sliding_layers
 
 
 def test_sliding_window_logits_match_transformers(tmp_path):

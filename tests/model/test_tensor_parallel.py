@@ -109,3 +109,23 @@ def test_shard_config_splits_heads_and_replicates_kv():
 def test_unshardable_models_are_refused(kwargs, size, match):
     with pytest.raises(ValueError, match=match):
         check_shardable(ModelConfig(**kwargs), size)
+
+
+@pytest.mark.timeout(300)
+def test_tp2_qwen3_matches_transformers(tmp_path):
+    """Qwen3 at 2 ranks: its per-head q/k norms whole on each rank, an explicit head_dim,
+    its last two layers sliding."""
+    config = transformers.Qwen3Config(
+        **{**DIMS, "num_hidden_layers": 3, "vocab_size": ODD_VOCAB},
+        head_dim=32,
+        use_sliding_window=True,
+        sliding_window=9,
+        max_window_layers=1,
+    )
+    reference = _perturbed(transformers.Qwen3ForCausalLM(config))
+    path = save(reference, tmp_path / "qwen3")
+    ids = prompts(ODD_VOCAB)
+    ranks = run_ranks(2, [path], ids, str(tmp_path))
+    for key, want in oracle(reference, ids).items():
+        for rank, results in enumerate(ranks):
+            assert rel_err(results[path][key], want) < REL_ERR, (key, rank)

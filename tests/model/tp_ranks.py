@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ForwardBatch, LlamaForCausalLM, load_model
+from mpprefill.model import CausalLM, ForwardBatch, load_model
 from mpprefill.model.parallel import init_tp_group
 
 POOL = 256
 
 
-def scenario(model: LlamaForCausalLM, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+def scenario(model: CausalLM, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
     """Logits of: every prompt whole in one ragged batch; the longest prompt in chunks
     (0-20, 20-21, 21-end) in its own slots; then a prefix hit: the longest prompt's first
     half again, whole, extended by the rest of the prompt over the cached prefix."""

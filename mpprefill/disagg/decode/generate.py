@@ -81,7 +81,7 @@ class Generator:
         eos_token_ids: Iterable[int] = (),
         max_running: int = 64,
     ) -> None:
-        """`model`: a LlamaForCausalLM whose KV `kv` holds; `allocator` hands out its pages.
+        """`model`: a CausalLM whose KV `kv` holds; `allocator` hands out its pages.
         At most `max_running` sequences run in a step; more wait in arrival order."""
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
