@@ -73,6 +73,7 @@ def run_bench(
     runs = [_median_run(trials[m, "zmq"]) for m in modes]
     bound = sorted(bounds, key=lambda b: b["itps"])[len(bounds) // 2]
     result = {
+        "label": label,
         "config": _config(args, server, work, label),
         "forward_bound_itps": bound["itps"],
         "forward_bound": bound,
@@ -109,6 +110,7 @@ def _median_run(trials: list[dict]) -> dict:
     ordered = sorted(trials, key=lambda r: r["uncached_itps"])
     run = dict(ordered[len(ordered) // 2])
     run["uncached_itps_trials"] = [r["uncached_itps"] for r in trials]
+    run["trials"] = run["uncached_itps_trials"]  # the contract's name for them
     run["leaks"] = {**run["leaks"], "ok": all(r["leaks"]["ok"] for r in trials)}
     return run
 

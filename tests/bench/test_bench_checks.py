@@ -8,6 +8,7 @@ import json
 import pytest
 
 from mpprefill.bench.cli import run_problems
+from mpprefill.bench.suite import _median_run
 from tests.bench.test_bench_e2e import _mpprefill
 
 
@@ -50,3 +51,10 @@ def test_sliding_window_bench_verifies_on_the_decode_side(tmp_path):
     assert json.loads(path.read_text())["config"]["server"]["sliding_window"] == 32
     swa = run["kv_at_end"]["swa"]
     assert swa["free_tokens"] + swa["cached_tokens"] == swa["total_tokens"] > 0
+
+
+def test_the_median_run_carries_every_trial_under_the_contracts_name():
+    trials = [_run(uncached_itps=v) for v in (300.0, 100.0, 200.0)]
+    run = _median_run(trials)
+    assert run["uncached_itps"] == 200.0
+    assert run["trials"] == run["uncached_itps_trials"] == [300.0, 100.0, 200.0]
