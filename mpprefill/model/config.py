@@ -15,6 +15,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "MistralForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
@@ -78,9 +80,19 @@ class ModelConfig:
     # `sliding_window` positions (itself included); None everywhere means full attention.
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    # Mixture of experts: 0 experts means every layer's MLP is dense. Each token goes to
+    # its `num_experts_per_tok` most probable experts (softmax, then top-k; their weights
+    # renormalised to sum to 1 with `norm_topk_prob`); `dense_mlp_layers` keep the dense
+    # MLP of `intermediate_size` rows.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_mlp_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self._check_layer_types()
+        self._check_experts()
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
             _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
         _require(self.max_position_embeddings > 0, "max_position_embeddings must be positive")
@@ -115,6 +127,24 @@ class ModelConfig:
             and self.layer_types is not None
             and self.layer_types[layer] == "sliding_attention"
         )
+
+    def _check_experts(self) -> None:
+        object.__setattr__(self, "dense_mlp_layers", tuple(self.dense_mlp_layers))
+        _require(self.num_experts >= 0, f"num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts == 0:
+            return
+        e, k = self.num_experts, self.num_experts_per_tok
+        _require(0 < k <= e, f"num_experts_per_tok ({k}) must be in 1..num_experts ({e})")
+        _require(
+            self.moe_intermediate_size > 0,
+            f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}",
+        )
+        bad = [i for i in self.dense_mlp_layers if not 0 <= i < self.num_hidden_layers]
+        _require(not bad, f"dense_mlp_layers {bad} are not layers of {self.num_hidden_layers}")
+
+    def is_moe(self, layer: int) -> bool:
+        """True when `layer`'s MLP is the mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     @property
     def has_sliding_layers(self) -> bool:

@@ -1,7 +1,7 @@
-"""The decoder-only causal LM every dense family is: embedding, decoder layers (attention
-and gated MLP, each behind an RMS norm, with residuals), final norm and head, over a paged
-KV cache, prefill only. A family subclasses `CausalLM`: it names its architecture, reads
-its config.json and says which optional layers it wires in."""
+"""The decoder-only causal LM every family is: embedding, decoder layers (attention and a
+gated MLP, dense or a mixture of experts, each behind an RMS norm, with residuals), final
+norm and head, over a paged KV cache, prefill only. A family subclasses `CausalLM`: it
+names its architecture, reads its config.json and says which optional layers it wires in."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from mpprefill.model.forward_batch import ForwardBatch
 from mpprefill.model.layers.attention import Attention, LayerContext
 from mpprefill.model.layers.linear import VocabParallelEmbedding, VocabParallelHead
 from mpprefill.model.layers.mlp import GatedMLP
+from mpprefill.model.layers.moe import ExpertNames, SparseMoE
 from mpprefill.model.layers.norm import QKNorm, RMSNorm
 from mpprefill.model.layers.rotary import Rotary
 from mpprefill.model.parallel import WHOLE, ShardEntry, TPRank, shard_config, span
@@ -31,7 +32,8 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.attention = Attention(config, layer_id, tp, qk_norm)
-        self.feed_forward = GatedMLP(config, tp)
+        moe = config.is_moe(layer_id)
+        self.feed_forward = SparseMoE(config, tp) if moe else GatedMLP(config, tp)
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -41,11 +43,14 @@ class DecoderLayer(nn.Module):
 
     @staticmethod
     def shard_table(
-        config: ModelConfig, tp: TPRank, i: int, qk_norm: bool
+        config: ModelConfig, tp: TPRank, i: int, qk_norm: bool, experts: ExpertNames
     ) -> dict[str, ShardEntry]:
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         table = Attention.shard_table(config, tp, f"{hf}self_attn.", f"{ours}attention.", qk_norm)
-        table |= GatedMLP.shard_table(config, tp, f"{hf}mlp.", f"{ours}feed_forward.")
+        if config.is_moe(i):
+            table |= SparseMoE.shard_table(config, tp, hf, f"{ours}feed_forward.", experts)
+        else:
+            table |= GatedMLP.shard_table(config, tp, f"{hf}mlp.", f"{ours}feed_forward.")
         for norm, mine in (
             ("input_layernorm", "attention_norm"),
             ("post_attention_layernorm", "ffn_norm"),
@@ -64,6 +69,7 @@ class CausalLM(nn.Module):
     architecture: ClassVar[str] = ""
     model_type: ClassVar[str] = ""  # config.json's model_type
     qk_norm: ClassVar[bool] = False  # per-head RMS norm of q and k before the rotary
+    expert_names: ClassVar[ExpertNames] = ExpertNames()  # an MoE layer's checkpoint names
 
     @classmethod
     def config_from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -82,7 +88,7 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             table["lm_head.weight"] = ("output.weight", local_vocab, vocab, WHOLE)
         for i in range(config.num_hidden_layers):
-            table |= DecoderLayer.shard_table(config, tp, i, cls.qk_norm)
+            table |= DecoderLayer.shard_table(config, tp, i, cls.qk_norm, cls.expert_names)
         return table
 
     def __init__(

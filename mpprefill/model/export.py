@@ -29,9 +29,23 @@ def hf_config(config: ModelConfig) -> dict:
         }
     if config.sliding_window is not None and config.architecture != "MistralForCausalLM":
         out["use_sliding_window"] = True  # the Qwen families read the window only with it
-    if config.architecture == "MistralForCausalLM":
+    if config.architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         del out["layer_types"]  # every layer of a Mistral slides, or none
-    return out
+    return out | _experts(out, config)
+
+
+def _experts(out: dict, config: ModelConfig) -> dict:
+    """The mixture-of-experts fields under the names the family reads (none when dense)."""
+    moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+    for key in (*moe, "dense_mlp_layers"):
+        del out[key]
+    if config.num_experts == 0:
+        return {}
+    fields = {k: getattr(config, k) for k in moe}
+    if config.architecture == "MixtralForCausalLM":
+        fields["num_local_experts"] = fields.pop("num_experts")
+        return fields
+    return fields | {"mlp_only_layers": list(config.dense_mlp_layers)}
 
 
 def save_random_model(config: ModelConfig, path: str, seed: int = 0) -> str:

@@ -10,6 +10,9 @@ a rank holds, and the layers whose outputs need a collective.
 | o_proj             | columns    | the columns of its query heads             | all-reduce |
 | gate_proj, up_proj | rows       | rows [r * I / N, (r + 1) * I / N)          |            |
 | down_proj          | columns    | the columns of its gate/up rows            | all-reduce |
+| experts' gate/up   | rows       | every expert's rows [r * I_e / N, ...)     |            |
+| experts' down      | columns    | every expert's columns of its gate/up rows | all-reduce |
+| router (gate)      | none       | all of it                                  |            |
 | lm_head            | vocab rows | as embed_tokens (tied: the same tensor)    | all-gather |
 | norms, o_proj bias | none       | all of it                                  |            |
 
@@ -65,6 +68,11 @@ class TPRank:
         n = config.intermediate_size // self.size
         return range(self.rank * n, (self.rank + 1) * n)
 
+    def moe_intermediate(self, config: ModelConfig) -> range:
+        """Each expert's MLP rows this rank holds (every rank holds every expert)."""
+        n = config.moe_intermediate_size // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
     def vocab_shard(self, config: ModelConfig) -> int:
         """Rows of each rank's embedding (the last rank's tail is zero padding)."""
         return math.ceil(config.vocab_size / self.size)
@@ -88,6 +96,9 @@ def check_shardable(config: ModelConfig, size: int) -> None:
         problems.append(f"it is not a multiple of num_key_value_heads ({kv})")
     if config.intermediate_size % size:
         problems.append(f"intermediate_size ({config.intermediate_size}) is not a multiple of it")
+    if config.moe_intermediate_size % size:
+        moe = config.moe_intermediate_size
+        problems.append(f"moe_intermediate_size ({moe}) is not a multiple of it")
     if problems:
         raise ValueError(f"--tp-size {size}: " + "; ".join(problems))
 
@@ -101,13 +112,15 @@ def shard_config(config: ModelConfig, tp: TPRank) -> ModelConfig:
         num_attention_heads=len(tp.heads(config)),
         num_key_value_heads=len(tp.kv_heads(config)),
         intermediate_size=len(tp.intermediate(config)),
+        moe_intermediate_size=len(tp.moe_intermediate(config)),
         head_dim=config.head_size,
     )
 
 
-# A checkpoint tensor's place in one rank's model: (our parameter, its rows, the checkpoint
-# tensor's rows, its columns). Each layer lists its own (`layers/`); the loader copies them.
-ShardEntry = tuple[str, slice, slice, slice]
+# A checkpoint tensor's place in one rank's model: (our parameter, its rows (an expert's
+# rows of a stacked parameter: (expert, rows)), the checkpoint tensor's rows, its columns).
+# Each layer lists its own (`layers/`); the loader copies them.
+ShardEntry = tuple[str, slice | tuple[int, slice], slice, slice]
 WHOLE = slice(None)
 
 

@@ -64,14 +64,20 @@ HOST_WIDTH = dict(
 def host_config(base: ModelConfig, emulate_model: str) -> ModelConfig:
     """The tiny-width stand-in: `base`'s vocabulary, positions and window, the emulated
     model's layer count. With sliding-window layers in `base`, emulated layer i slides
-    where layer i mod (base's layer count) does, so a repeating pattern keeps its period."""
+    where layer i mod (base's layer count) does, so a repeating pattern keeps its period.
+    The stand-in's MLPs are dense: the roofline, not the host path, charges the experts."""
     shape = resolve_shape(emulate_model)
     types = None
     if base.has_sliding_layers:
         n = base.num_hidden_layers
         types = tuple(base.layer_types[i % n] for i in range(shape.num_layers))
     return dataclasses.replace(
-        base, num_hidden_layers=shape.num_layers, layer_types=types, **HOST_WIDTH
+        base,
+        num_hidden_layers=shape.num_layers,
+        layer_types=types,
+        num_experts=0,
+        dense_mlp_layers=(),
+        **HOST_WIDTH,
     )
 
 

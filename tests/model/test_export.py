@@ -45,8 +45,23 @@ def test_saved_random_model_loads_back_identical(tmp_path):
         dict(
             rope_scaling=RopeScaling("llama3", 8.0, 64, low_freq_factor=1.0, high_freq_factor=4.0)
         ),
+        dict(
+            architecture="MixtralForCausalLM",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+        ),
+        dict(
+            architecture="Qwen3MoeForCausalLM",
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            dense_mlp_layers=(0,),
+        ),
     ],
-    ids=["mistral", "qwen3-yarn", "llama3"],
+    ids=["mistral", "qwen3-yarn", "llama3", "mixtral", "qwen3-moe"],
 )
 def test_each_family_saves_and_loads_back(tmp_path, changes):
     cfg = dataclasses.replace(

@@ -17,6 +17,19 @@ SLOTS = 8192
 # Torch calls one layer of the built-in model issues per forward, whatever the batch
 # (61 when pinned; 136 at 4 x 256 and 1,156 at 64 x 16 with attention one request at a time).
 MAX_CALLS_PER_LAYER = 64
+MIXTRAL = {
+    "architecture": "MixtralForCausalLM",
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+}
+QWEN3_MOE = {
+    **MIXTRAL,
+    "architecture": "Qwen3MoeForCausalLM",
+    "head_dim": 64,
+    "norm_topk_prob": False,
+    "dense_mlp_layers": (1,),
+}
 
 
 def model_of(layers: int = 4, **changes) -> tuple[CausalLM, KVCache]:
@@ -78,8 +91,10 @@ def test_the_guard_lets_the_host_read_its_own_lengths_and_tensors():
         # the batch's 76 positions pass max_position_embeddings: a table of its own
         {"rope_scaling": RopeScaling("dynamic", 2.0), "max_position_embeddings": 64},
         {"rope_scaling": RopeScaling("yarn", 4.0, original_max_position_embeddings=16)},
+        MIXTRAL,
+        QWEN3_MOE,
     ],
-    ids=["plain", "tied-bias", "sliding", "qwen3", "dynamic", "yarn"],
+    ids=["plain", "tied-bias", "sliding", "qwen3", "dynamic", "yarn", "mixtral", "qwen3-moe"],
 )
 def test_a_forward_reads_no_device_tensor_and_the_guard_changes_nothing(changes):
     model, kv = model_of(**changes)
@@ -90,7 +105,9 @@ def test_a_forward_reads_no_device_tensor_and_the_guard_changes_nothing(changes)
 
 
 @pytest.mark.parametrize(
-    "changes", [{}, {"architecture": "Qwen3ForCausalLM", "head_dim": 64}], ids=["llama", "qwen3"]
+    "changes",
+    [{}, {"architecture": "Qwen3ForCausalLM", "head_dim": 64}, MIXTRAL, QWEN3_MOE],
+    ids=["llama", "qwen3", "mixtral", "qwen3-moe"],
 )
 def test_calls_do_not_grow_with_the_requests_of_a_batch(changes):
     """64 x 16 new tokens and 4 x 256 (1,024 either way), each with 64 cached."""
@@ -107,3 +124,12 @@ def test_calls_per_layer_stay_under_the_pinned_bound():
         counts[layers] = guarded_forward(model, kv, batch(64, 16))[1]
     per_layer = (counts[8] - counts[4]) / 4
     assert 0 < per_layer <= MAX_CALLS_PER_LAYER, per_layer
+
+
+def test_an_moe_layers_calls_do_not_grow_with_its_experts():
+    """A model of only MoE layers issues as many calls with 64 experts as with 4."""
+    counts = {}
+    for experts in (4, 64):
+        model, kv = model_of(**{**MIXTRAL, "num_experts": experts})
+        counts[experts] = guarded_forward(model, kv, batch(8, 16))[1]
+    assert counts[4] == counts[64]

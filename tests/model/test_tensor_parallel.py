@@ -104,6 +104,11 @@ def test_shard_config_splits_heads_and_replicates_kv():
         (dict(num_attention_heads=8, num_key_value_heads=2), 3, "num_attention_heads"),
         (dict(hidden_size=384, num_attention_heads=12, num_key_value_heads=6), 3, "intermediate"),
         (dict(hidden_size=384, num_attention_heads=12, num_key_value_heads=3), 4, "key_value"),
+        (
+            dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=30),
+            4,
+            "moe_intermediate_size",
+        ),
     ],
 )
 def test_unshardable_models_are_refused(kwargs, size, match):
@@ -124,6 +129,35 @@ def test_tp2_qwen3_matches_transformers(tmp_path):
     )
     reference = _perturbed(transformers.Qwen3ForCausalLM(config))
     path = save(reference, tmp_path / "qwen3")
+    ids = prompts(ODD_VOCAB)
+    ranks = run_ranks(2, [path], ids, str(tmp_path))
+    for key, want in oracle(reference, ids).items():
+        for rank, results in enumerate(ranks):
+            assert rel_err(results[path][key], want) < REL_ERR, (key, rank)
+
+
+def test_shard_config_splits_every_experts_rows():
+    cfg = ModelConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96)
+    shards = [shard_config(cfg, TPRank(r, 2)) for r in range(2)]
+    assert {(c.num_experts, c.moe_intermediate_size) for c in shards} == {(8, 48)}
+    assert TPRank(1, 2).moe_intermediate(cfg) == range(48, 96)
+
+
+@pytest.mark.timeout(300)
+def test_tp2_qwen3_moe_matches_transformers(tmp_path):
+    """Qwen3-MoE at 2 ranks: every expert's rows split, the router whole on each rank, one
+    dense layer (mlp_only_layers) split as a dense MLP, an odd vocabulary."""
+    config = transformers.Qwen3MoeConfig(
+        **{**DIMS, "num_hidden_layers": 3, "vocab_size": ODD_VOCAB},
+        head_dim=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    )
+    reference = _perturbed(transformers.Qwen3MoeForCausalLM(config))
+    path = save(reference, tmp_path / "qwen3-moe")
     ids = prompts(ODD_VOCAB)
     ranks = run_ranks(2, [path], ids, str(tmp_path))
     for key, want in oracle(reference, ids).items():

@@ -61,6 +61,19 @@ def test_host_model_has_the_emulated_layer_count():
         host_config(ModelConfig.tiny(), "no-such-model")
 
 
+def test_the_stand_in_of_an_moe_checkpoint_is_dense():
+    moe = dataclasses.replace(
+        ModelConfig.tiny(),
+        architecture="Qwen3MoeForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        dense_mlp_layers=(3,),
+    )
+    cfg = host_config(moe, "Qwen2.5-0.5B")
+    assert cfg.num_hidden_layers == 24 and not any(cfg.is_moe(i) for i in range(24))
+
+
 def test_sliding_layers_keep_their_pattern_at_the_emulated_layer_count():
     tiny = ModelConfig.tiny()
     types = ("sliding_attention", "full_attention") * (tiny.num_hidden_layers // 2)

@@ -12,13 +12,22 @@ from mpprefill.model.config import ModelConfig
 from mpprefill.model.decoder import CausalLM
 from mpprefill.model.families.llama import LlamaForCausalLM
 from mpprefill.model.families.mistral import MistralForCausalLM
+from mpprefill.model.families.mixtral import MixtralForCausalLM
 from mpprefill.model.families.qwen2 import Qwen2ForCausalLM
 from mpprefill.model.families.qwen3 import Qwen3ForCausalLM
+from mpprefill.model.families.qwen3_moe import Qwen3MoeForCausalLM
 from mpprefill.model.parallel import TPRank
 
 FAMILIES: dict[str, type[CausalLM]] = {
     f.architecture: f
-    for f in (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM)
+    for f in (
+        LlamaForCausalLM,
+        Qwen2ForCausalLM,
+        MistralForCausalLM,
+        Qwen3ForCausalLM,
+        MixtralForCausalLM,
+        Qwen3MoeForCausalLM,
+    )
 }
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES.values()}
 

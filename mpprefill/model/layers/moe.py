@@ -1,0 +1,119 @@
+"""The mixture-of-experts MLP: a router picks each token's top-k experts, the routed rows
+are sorted by expert and every expert's rows go through its gated MLP in one grouped
+matmul, then each row, scaled by its routing weight, is added back to its token.
+
+Every expert's weights are stacked (gate|up fused [E, 2I, H], down [E, H, I]), so one call
+covers all experts. The shapes are host-known: T tokens make T * k routed rows whatever the
+routing, and the experts' boundaries in them stay on the device as the grouped matmul's
+offsets, never read by the host.
+
+    routed row j = (token j // k, its (j % k)-th expert)
+    sorted by expert:  | expert 0's rows | expert 1's rows | ... |  ends = offsets[e]
+
+Where the grouped matmul does not take the device and dtype (CUDA in other than bfloat16),
+every expert runs over every token and the routing weights, zero for the experts a token
+did not pick, sum them: E / k times the work, the same host-known shapes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mpprefill.model.config import ModelConfig
+from mpprefill.model.parallel import WHOLE, ShardEntry, TPRank, span
+
+
+class ExpertNames(NamedTuple):
+    """A family's checkpoint names of a sparse MLP under its layer's prefix; expert e's
+    projections are `{block}experts.{e}.{gate|up|down}.weight`."""
+
+    block: str = "mlp."
+    router: str = "gate"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `F.grouped_mm` takes these operands: any dtype on the CPU, bfloat16 on CUDA."""
+    return device.type == "cpu" or dtype == torch.bfloat16
+
+
+class SparseMoE(nn.Module):
+    """`config`: this rank's shard (its `moe_intermediate_size` rows of every expert); at
+    several ranks the output is all-reduced. `grouped`: the grouped matmul (True) or every
+    expert over every token (False); None: the grouped matmul where it runs."""
+
+    def __init__(
+        self, config: ModelConfig, tp: TPRank | None = None, grouped: bool | None = None
+    ) -> None:
+        super().__init__()
+        self.grouped = grouped
+        experts, hidden = config.num_experts, config.hidden_size
+        inter = config.moe_intermediate_size
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, experts = self.route(x)
+        grouped = self.grouped
+        if grouped is None:
+            grouped = grouped_mm_runs(x.device, x.dtype)
+        experts_of = self._grouped if grouped else self._dense
+        out = experts_of(x, weights, experts)
+        if self.tp is not None:
+            dist.all_reduce(out, group=self.tp.group)
+        return out
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Each token's top-k routing weights (in x's dtype) and experts, [T, k] each."""
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def _grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        sorted_experts, order = torch.sort(experts.view(-1), stable=True)
+        ids = torch.arange(self.w13.shape[0], device=x.device)
+        offsets = torch.searchsorted(sorted_experts, ids, right=True, out_int32=True)
+        tokens = order.div(self.top_k, rounding_mode="floor")
+        rows = x.index_select(0, tokens)
+        gate, up = F.grouped_mm(rows, self.w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        h = F.silu(gate).mul_(up)
+        y = F.grouped_mm(h, self.w2.transpose(1, 2), offs=offsets)
+        y.mul_(weights.view(-1).index_select(0, order).unsqueeze(1))
+        return torch.zeros_like(x).index_add_(0, tokens, y)
+
+    def _dense(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        gate, up = torch.matmul(x, self.w13.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.matmul(F.silu(gate).mul_(up), self.w2.transpose(1, 2))  # [E, T, H]
+        dense = torch.zeros(x.shape[0], self.w13.shape[0], dtype=x.dtype, device=x.device)
+        dense.scatter_(1, experts, weights)  # [T, E]: zero where a token did not route
+        return torch.einsum("te,eth->th", dense, y)
+
+    @staticmethod
+    def shard_table(
+        config: ModelConfig, tp: TPRank, hf: str, ours: str, names: ExpertNames
+    ) -> dict[str, ShardEntry]:
+        """The router and every expert's projections under `hf` + `names.block` into router /
+        w13 / w2 under `ours`: rank `tp.rank`'s rows of each expert."""
+        rows = span(tp.moe_intermediate(config), 1)
+        n = rows.stop - rows.start
+        block = f"{hf}{names.block}"
+        table = {f"{block}{names.router}.weight": (f"{ours}router.weight", WHOLE, WHOLE, WHOLE)}
+        for e in range(config.num_experts):
+            expert = f"{block}experts.{e}."
+            table[f"{expert}{names.gate}.weight"] = (f"{ours}w13", (e, slice(0, n)), rows, WHOLE)
+            table[f"{expert}{names.up}.weight"] = (f"{ours}w13", (e, slice(n, 2 * n)), rows, WHOLE)
+            table[f"{expert}{names.down}.weight"] = (f"{ours}w2", (e, WHOLE), WHOLE, rows)
+        return table
