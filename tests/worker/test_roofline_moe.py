@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from mpprefill.config import EMULATE_MODELS
 from mpprefill.worker.roofline import (
     GPUS,
     KERNEL_FLOOR_S,
@@ -202,3 +203,7 @@ def test_shape_from_a_transformers_config(arch):
     assert s.num_experts == (8 if arch == "Mixtral" else 128)
     assert s.moe_intermediate == fields.get("moe_intermediate_size", fields["intermediate_size"])
     assert all(s.is_sparse(i) for i in range(4))
+
+
+def test_the_flag_lists_every_preset():
+    assert tuple(PRESETS) == EMULATE_MODELS
