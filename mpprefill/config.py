@@ -13,7 +13,17 @@ TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
 DEVICES = ("cpu", "cuda", "emulated")
 EMULATE_GPUS = ("h100", "h200", "b200")
 # presets; or a config.json
-EMULATE_MODELS = ("Qwen2.5-0.5B", "Llama-3.1-8B", "Qwen2.5-14B", "Llama-3.1-70B")
+EMULATE_MODELS = (
+    "Qwen2.5-0.5B",
+    "Llama-3.1-8B",
+    "Qwen2.5-14B",
+    "Llama-3.1-70B",
+    "Qwen3-8B",
+    "Qwen3-32B",
+    "Mixtral-8x7B",
+    "Qwen3-30B-A3B",
+    "Qwen3-235B-A22B",
+)
 STAGINGS = ("pinned", "cuda-ipc")  # how a CUDA worker gets its batch inputs
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # "auto": the best the device has (see mpprefill.model.attention)

@@ -65,7 +65,8 @@ def host_config(base: ModelConfig, emulate_model: str) -> ModelConfig:
     """The tiny-width stand-in: `base`'s vocabulary, positions and window, the emulated
     model's layer count. With sliding-window layers in `base`, emulated layer i slides
     where layer i mod (base's layer count) does, so a repeating pattern keeps its period.
-    The stand-in's MLPs are dense: the roofline, not the host path, charges the experts."""
+    The stand-in's MLPs are dense: the roofline, not the host path, charges the experts
+    (on the emulated model's sparse layers, whatever the checkpoint's)."""
     shape = resolve_shape(emulate_model)
     types = None
     if base.has_sliding_layers:
@@ -137,12 +138,9 @@ class EmulatedDevice:
         extend = list(fb.extend_lens_cpu)
         prefix = list(fb.prefix_lens_cpu)
         config = model.config
-        full = layer_parts_s(self.shape, self.gpu, extend, prefix, self.tp_size)
-        sliding = full
-        if config.has_sliding_layers:
-            window = config.sliding_window
-            sliding = layer_parts_s(self.shape, self.gpu, extend, prefix, self.tp_size, window)
-        layers = [sliding if config.is_sliding(i) else full for i in range(len(model.layers))]
+        kinds = [(config.is_sliding(i), self.shape.is_sparse(i)) for i in range(len(model.layers))]
+        costs = {kind: self._layer_parts(extend, prefix, config, *kind) for kind in set(kinds)}
+        layers = [costs[kind] for kind in kinds]
         head, gather = head_parts_s(self.shape, self.gpu, len(extend), self.tp_size)
         head_s = head + gather
         first: list[float] = []
@@ -161,6 +159,15 @@ class EmulatedDevice:
         collective = sum(a for _, a in layers) + gather
         self._last = (int(start * 1e9), int(end * 1e9), busy, collective)
         return logits
+
+    def _layer_parts(
+        self, extend: list[int], prefix: list[int], config: ModelConfig, sliding: bool, sparse: bool
+    ) -> tuple[float, float]:
+        """One layer's (compute, all-reduce) seconds: windowed where the host model's layer
+        slides, the experts where the emulated model's layer is sparse."""
+        window = config.sliding_window if sliding else None
+        tp = self.tp_size
+        return layer_parts_s(self.shape, self.gpu, extend, prefix, tp, window, sparse)
 
     def last_forward(self) -> tuple[int, int, float, float]:
         """The last forward on the device: its start and end (clock_ns), its busy seconds

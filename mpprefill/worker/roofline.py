@@ -11,6 +11,28 @@ per layer):
 | attention | Σ 4·H·d·e·(p + (e + 1)/2)      | Σ (p + 2e)·kv_row + 2·T·H·d·b           |
 | head      | 2·R·hidden·vocab               | vocab·hidden·b + R·vocab·4              |
 
+A mixture-of-experts layer (E experts of I_e rows, each token routed to k of them, so
+T·k routed rows; P_a = the q, k, v and o weights) replaces the linear row by two parts,
+the projections and the experts (router included, one max of its summed FLOPs and bytes):
+
+| part      | FLOPs                          | bytes                                   |
+|-----------|--------------------------------|-----------------------------------------|
+| q,k,v,o   | 2·T·P_a                        | P_a·b + T·b·10·hidden                   |
+| router    | 2·T·hidden·E                   | hidden·E·b + T·E·b                      |
+| experts   | 2·T·k·3·hidden·I_e             | n·3·hidden·I_e·b + T·k·b·(4·hidden + 6·I_e) |
+
+The router is a T x hidden x E GEMM (its weights read, its logits written); the routed
+rows go through gate, up and down of the expert size; each routed row is gathered
+(written, then read by gate/up), leaves down and is scaled and added back to its token
+(4·hidden), with the same 6·I_e intermediate passes as a dense MLP. Only the experts the
+batch hits are read, n of them in expectation:
+
+    n = E·(1 - (1 - 1/E)^(T·k))
+
+assuming each of the T·k routings picks one of the E experts uniformly and independently
+of the others. Real routers are skewed, which hits fewer; a token's k experts are
+distinct, which hits a little more (at T = 1, n < k). At prefill sizes (T·k >> E) n is E.
+
 A request extends e tokens after a cached prefix of p; its j-th new token attends the
 p + j + 1 positions up to itself, which sums to e·(p + (e + 1)/2) query-key pairs, each
 2·d FLOPs for QKᵀ and 2·d for PV per head. The attention reads the whole KV (p + e rows
@@ -21,8 +43,9 @@ max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth); a layer never finishes
 than its kernels' launch floor. The head computes logits for R requests' last tokens only.
 
 Tensor parallel over N GPUs (`tp`): each rank runs the layer of `ModelShape.shard(N)` (its
-heads, KV heads and MLP rows, a 1/N vocabulary slice of the head), then the layer's two
-all-reduces of the T x hidden activations (after o_proj and after down_proj) and the
+heads, KV heads and MLP rows, every expert's 1/N of its I_e rows with the router whole, as
+`model/layers/moe.py` shards them, a 1/N vocabulary slice of the head), then the layer's two
+all-reduces of the T x hidden activations (after o_proj and after the MLP) and the
 head's all-gather of the logits cross the GPUs' interconnect. A ring all-reduce of B
 bytes moves 2·(N-1)/N·B through each GPU's link, an all-gather (N-1)/N·B; each collective
 also pays a fixed latency. The ranks run in lockstep, so one rank's time is the group's.
@@ -51,12 +74,17 @@ MEMORY_EFFICIENCY = 0.8
 KERNEL_FLOOR_S = 3e-6
 # Llama layer: 2 norms, qkv, rope, attention, o_proj, gate_up, act, down, residual add.
 KERNELS_PER_LAYER = 10
+# An MoE MLP adds the router GEMM, softmax/top-k, the sort by expert, the group offsets,
+# the gather of routed rows, their scaling and the add back to their tokens.
+KERNELS_PER_MOE_LAYER = KERNELS_PER_LAYER + 7
 # Final norm, gather of the last positions, LM head GEMM.
 KERNELS_PER_HEAD = 3
 # Fused norm/add kernels read and write the residual stream about ten times per layer.
 HIDDEN_PASSES = 10
 # gate_up writes 2·I, act reads 2·I and writes I, down reads I.
 INTERMEDIATE_PASSES = 6
+# A routed row: gathered (written), read by gate_up, written by down, read by the add.
+ROUTED_HIDDEN_PASSES = 4
 LOGIT_BYTES = 4  # logits are float32 for sampling
 # NCCL's ring collectives reach about 80% of the NVLink per-direction bandwidth.
 LINK_EFFICIENCY = 0.8
@@ -136,6 +164,12 @@ GPUS = {
 }
 
 
+# ModelShape's fields that may be zero or empty (a dense model's) or are not counts.
+_NOT_POSITIVE = frozenset(
+    ("name", "num_experts", "experts_per_tok", "moe_intermediate", "sparse_step", "dense_layers")
+)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     num_layers: int
@@ -148,14 +182,46 @@ class ModelShape:
     dtype_bytes: int = 2  # weights and activations
     name: str = ""
     kv_dtype_bytes: int = 2  # the KV pool's elements
+    # Mixture of experts (none: a dense model). Layer i routes each token to
+    # `experts_per_tok` of `num_experts` experts of `moe_intermediate` rows unless i is in
+    # `dense_layers` or i + 1 is not a multiple of `sparse_step` (Qwen3-MoE's rule); those
+    # layers keep a dense MLP of `intermediate` rows.
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate: int = 0
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for key in (f.name for f in dataclasses.fields(self) if f.name != "name"):
+        for key in (f.name for f in dataclasses.fields(self) if f.name not in _NOT_POSITIVE):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{self.name or 'model'}: {key} must be a positive int")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.name or 'model'}: heads not a multiple of kv heads")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        who = self.name or "model"
+        e, k = self.num_experts, self.experts_per_tok
+        if e == 0:
+            if k or self.moe_intermediate or self.dense_layers or self.sparse_step != 1:
+                raise ValueError(f"{who}: expert fields without experts")
+            return
+        if e < 0 or not 0 < k <= e:
+            raise ValueError(f"{who}: experts_per_tok ({k}) must be in 1..num_experts ({e})")
+        if self.moe_intermediate <= 0 or self.sparse_step <= 0:
+            raise ValueError(f"{who}: moe_intermediate and sparse_step must be positive")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"{who}: dense_layers {bad} are not layers of {self.num_layers}")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts."""
+        if self.num_experts == 0 or layer in self.dense_layers:
+            return False
+        return (layer + 1) % self.sparse_step == 0
 
     @property
     def q_width(self) -> int:
@@ -166,10 +232,19 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def attention_params(self) -> int:
+        """q, k, v and o of one layer, with GQA widths."""
+        return self.hidden * (2 * self.q_width + 2 * self.kv_width)
+
+    @property
     def params_per_layer(self) -> int:
-        """Linear weights of one layer: q, k, v, o with GQA widths and gate, up, down."""
-        attn = self.hidden * (2 * self.q_width + 2 * self.kv_width)
-        return attn + 3 * self.hidden * self.intermediate
+        """Linear weights of one dense layer: q, k, v, o and gate, up, down."""
+        return self.attention_params + 3 * self.hidden * self.intermediate
+
+    @property
+    def expert_params(self) -> int:
+        """gate, up and down of one expert."""
+        return 3 * self.hidden * self.moe_intermediate
 
     @property
     def layer_weight_bytes(self) -> int:
@@ -188,13 +263,15 @@ class ModelShape:
         if tp == 1:
             return self
         kv = self.num_kv_heads
-        if self.num_heads % tp or self.intermediate % tp or (kv % tp if kv >= tp else tp % kv):
+        mlps = self.intermediate % tp or self.moe_intermediate % tp
+        if self.num_heads % tp or mlps or (kv % tp if kv >= tp else tp % kv):
             raise ValueError(f"{self.name or 'model'}: its heads and MLP do not split over {tp}")
         return dataclasses.replace(
             self,
             num_heads=self.num_heads // tp,
             num_kv_heads=max(1, kv // tp),
             intermediate=self.intermediate // tp,
+            moe_intermediate=self.moe_intermediate // tp,
             vocab=math.ceil(self.vocab / tp),
         )
 
@@ -231,22 +308,45 @@ def _shape_from_dict(config: Mapping[str, Any], name: str) -> ModelShape:
         config = config["text_config"]
     hidden = _int_field(config, "hidden_size")
     heads = _int_field(config, "num_attention_heads")
-    if "head_dim" not in config and hidden % heads:
+    if config.get("head_dim") is None and hidden % heads:
         raise ValueError(f"hidden_size {hidden} is not a multiple of {heads} heads")
+    intermediate = _int_field(config, "intermediate_size")
     return ModelShape(
         num_layers=_int_field(config, "num_hidden_layers"),
         hidden=hidden,
-        intermediate=_int_field(config, "intermediate_size"),
+        intermediate=intermediate,
         num_heads=heads,
         num_kv_heads=_int_field(config, "num_key_value_heads", default=heads),
         head_dim=_int_field(config, "head_dim", default=hidden // heads),
         vocab=_int_field(config, "vocab_size"),
         name=name,
+        **_expert_fields(config, intermediate),
+    )
+
+
+def _expert_fields(config: Mapping[str, Any], intermediate: int) -> dict[str, Any]:
+    """The MoE fields as Mixtral (`num_local_experts`, experts of `intermediate_size` rows)
+    and Qwen3-MoE (`num_experts`, `moe_intermediate_size`, `decoder_sparse_step`,
+    `mlp_only_layers`) name them; none for a dense config."""
+    key = "num_local_experts" if config.get("num_local_experts") else "num_experts"
+    if not config.get(key):
+        return {}
+    dense = config.get("mlp_only_layers") or ()
+    if not isinstance(dense, (list, tuple)) or not all(type(i) is int for i in dense):
+        raise ValueError(f"model config field mlp_only_layers must list ints, got {dense!r}")
+    return dict(
+        num_experts=_int_field(config, key),
+        experts_per_tok=_int_field(config, "num_experts_per_tok"),
+        moe_intermediate=_int_field(config, "moe_intermediate_size", default=intermediate),
+        sparse_step=_int_field(config, "decoder_sparse_step", default=1),
+        dense_layers=tuple(dense),
     )
 
 
 def _int_field(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    value = config.get(key, default)
+    value = config.get(key)
+    if value is None:  # NOTE: transformers writes null for some absent fields (head_dim)
+        value = default
     if value is None:
         raise ValueError(f"model config lacks {key}")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -254,11 +354,28 @@ def _int_field(config: Mapping[str, Any], key: str, default: int | None = None) 
     return value
 
 
+def _moe(e: int, k: int, inter: int) -> dict[str, int]:
+    return dict(num_experts=e, experts_per_tok=k, moe_intermediate=inter)
+
+
+# The models' config.json on the Hugging Face Hub (the name is the repository's).
+# Positional: layers, hidden, intermediate, heads, KV heads, head_dim, vocab.
 PRESETS = {
     "Qwen2.5-0.5B": ModelShape(24, 896, 4864, 14, 2, 64, 151936, name="Qwen2.5-0.5B"),
     "Llama-3.1-8B": ModelShape(32, 4096, 14336, 32, 8, 128, 128256, name="Llama-3.1-8B"),
     "Qwen2.5-14B": ModelShape(48, 5120, 13824, 40, 8, 128, 152064, name="Qwen2.5-14B"),
     "Llama-3.1-70B": ModelShape(80, 8192, 28672, 64, 8, 128, 128256, name="Llama-3.1-70B"),
+    "Qwen3-8B": ModelShape(36, 4096, 12288, 32, 8, 128, 151936, name="Qwen3-8B"),
+    "Qwen3-32B": ModelShape(64, 5120, 25600, 64, 8, 128, 151936, name="Qwen3-32B"),
+    "Mixtral-8x7B": ModelShape(
+        32, 4096, 14336, 32, 8, 128, 32000, name="Mixtral-8x7B", **_moe(8, 2, 14336)
+    ),
+    "Qwen3-30B-A3B": ModelShape(
+        48, 2048, 6144, 32, 4, 128, 151936, name="Qwen3-30B-A3B", **_moe(128, 8, 768)
+    ),
+    "Qwen3-235B-A22B": ModelShape(
+        94, 4096, 12288, 64, 4, 128, 151936, name="Qwen3-235B-A22B", **_moe(128, 8, 1536)
+    ),
 }
 
 
@@ -279,17 +396,25 @@ def layer_parts_s(
     prefix_lens: Sequence[int],
     tp: int = 1,
     window: int | None = None,
+    sparse: bool = False,
 ) -> tuple[float, float]:
     """(compute, all-reduce) seconds of one decoder layer over a ragged prefill batch (see
-    the module table) on one of `tp` tensor-parallel GPUs; with `window`, a sliding-window
-    layer's."""
+    the module tables) on one of `tp` tensor-parallel GPUs; with `window`, a sliding-window
+    layer's; with `sparse`, a layer whose MLP is the mixture of experts."""
     _check_batch(extend_lens, prefix_lens)
     if window is not None and window < 1:
         raise ValueError(f"sliding window must be positive, got {window}")
+    if sparse and not shape.num_experts:
+        raise ValueError(f"{shape.name or 'model'} has no experts")
     rank = shape.shard(tp)
-    busy = _linear_time_s(rank, gpu, sum(extend_lens))
+    tokens = sum(extend_lens)
+    kernels = KERNELS_PER_MOE_LAYER if sparse else KERNELS_PER_LAYER
+    if sparse:
+        busy = _projections_time_s(rank, gpu, tokens) + experts_time_s(rank, gpu, tokens)
+    else:
+        busy = _linear_time_s(rank, gpu, tokens)
     busy += _attention_time_s(rank, gpu, extend_lens, prefix_lens, window)
-    compute = max(busy, KERNELS_PER_LAYER * gpu.kernel_floor_s)
+    compute = max(busy, kernels * gpu.kernel_floor_s)
     activations = sum(extend_lens) * shape.hidden * shape.dtype_bytes
     return compute, ALLREDUCES_PER_LAYER * allreduce_time_s(gpu, activations, tp)
 
@@ -351,6 +476,32 @@ def _linear_time_s(shape: ModelShape, gpu: GpuSpec, tokens: int) -> float:
     flops = 2 * tokens * shape.params_per_layer
     row = HIDDEN_PASSES * shape.hidden + INTERMEDIATE_PASSES * shape.intermediate
     nbytes = shape.layer_weight_bytes + tokens * row * shape.dtype_bytes
+    return _part_time_s(flops, gpu.gemm_flops, nbytes, gpu.memory_bandwidth)
+
+
+def _projections_time_s(shape: ModelShape, gpu: GpuSpec, tokens: int) -> float:
+    """q, k, v and o of an MoE layer, with the layer's residual-stream passes."""
+    flops = 2 * tokens * shape.attention_params
+    nbytes = (shape.attention_params + tokens * HIDDEN_PASSES * shape.hidden) * shape.dtype_bytes
+    return _part_time_s(flops, gpu.gemm_flops, nbytes, gpu.memory_bandwidth)
+
+
+def experts_hit(num_experts: int, routings: int) -> float:
+    """Expected distinct experts among `routings` uniform, independent picks of one of
+    `num_experts`: E·(1 - (1 - 1/E)^routings)."""
+    return num_experts * (1 - (1 - 1 / num_experts) ** routings)
+
+
+def experts_time_s(shape: ModelShape, gpu: GpuSpec, tokens: int) -> float:
+    """The router and the routed rows through their experts (the module's second table),
+    on `shape` as one rank holds it."""
+    routed = tokens * shape.experts_per_tok
+    router = shape.hidden * shape.num_experts
+    flops = 2 * tokens * router + 2 * routed * shape.expert_params
+    weights = router + experts_hit(shape.num_experts, routed) * shape.expert_params
+    row = ROUTED_HIDDEN_PASSES * shape.hidden + INTERMEDIATE_PASSES * shape.moe_intermediate
+    activations = tokens * shape.num_experts + routed * row
+    nbytes = (weights + activations) * shape.dtype_bytes
     return _part_time_s(flops, gpu.gemm_flops, nbytes, gpu.memory_bandwidth)
 
 

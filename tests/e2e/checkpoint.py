@@ -22,6 +22,11 @@ DIMS = dict(
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
 )
+# A mixture of experts' own fields, by architecture: few experts, top-2.
+EXPERTS = {
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+    "Qwen3MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+}
 SPECIALS = ["<unk>", "<s>", "</s>"]
 BOS, EOS = 1, 2
 CORPUS = [
@@ -36,12 +41,14 @@ CORPUS = [
 def save_checkpoint(path: Path, arch: str = "Qwen2ForCausalLM", seed: int = 0) -> Path:
     """`arch` with random weights (every tensor perturbed, so no weight is trivially zero),
     `generation_config.json` naming EOS, and a byte-level BPE tokenizer trained on CORPUS
-    whose ids fit the model's vocabulary. Llama checkpoints prepend BOS (tokenizer_config's
-    `add_bos_token`); Qwen2 ones do not, as the real ones."""
+    whose ids fit the model's vocabulary; an MoE architecture gets its EXPERTS fields. Llama
+    and Mixtral checkpoints prepend BOS (tokenizer_config's `add_bos_token`); Qwen ones do
+    not, as the real ones."""
     transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
     tokenizers = pytest.importorskip("tokenizers", reason="the tokenizer is trained with it")
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config = config_cls(**DIMS, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
+    fields = {**DIMS, **EXPERTS.get(arch, {})}
+    config = config_cls(**fields, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval().float()
     with torch.no_grad():
@@ -63,7 +70,7 @@ def save_checkpoint(path: Path, arch: str = "Qwen2ForCausalLM", seed: int = 0) -
     assert tok.get_vocab_size() <= VOCAB
     tok.save(str(path / "tokenizer.json"))
     tok_config = {
-        "add_bos_token": arch.startswith("Llama"),
+        "add_bos_token": arch.startswith(("Llama", "Mixtral")),
         "bos_token": "<s>",
         "eos_token": "</s>",
     }

@@ -1,6 +1,7 @@
 """A PD deployment behind SGLang's own router (the `sglang-router` package): one prefill,
-two decode servers, the router in PD mode, all on loopback. Every reply equals
-`transformers`' greedy `generate` on the checkpoint the servers load."""
+two decode servers (one for the MoE checkpoint), the router in PD mode, all on loopback.
+Every reply equals `transformers`' greedy `generate` on the checkpoint the servers load: a
+dense Qwen2 and a Mixtral mixture of experts."""
 
 from __future__ import annotations
 
@@ -68,16 +69,25 @@ def wait_http(port: int, path: str, procs: list[Proc], timeout: float = 180.0) -
 
 
 class Deployment:
-    def __init__(self, checkpoint: Path):
-        py = sys.executable
-        model = ("--model-path", str(checkpoint))
+    """`num_decodes` decode servers and a prefill loading `checkpoint`, the router over them;
+    a start that fails stops what it started."""
+
+    def __init__(self, checkpoint: Path, num_decodes: int = 2):
         self.bootstrap_port = free_port()
         self.prefill_port = free_port()
-        self.decode_ports = [free_port(), free_port()]
+        self.decode_ports = [free_port() for _ in range(num_decodes)]
         self.router_port = free_port()
+        self.procs: list[Proc] = []
+        try:
+            self._start(("--model-path", str(checkpoint)))
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, model: tuple[str, str]) -> None:
+        py = sys.executable
         common = ("--page-size", "16", "--disaggregation-transfer-backend", "shm")
         quiet = ("--log-level", "warning")
-        self.procs: list[Proc] = []
         for port in self.decode_ports:
             self.procs.append(
                 Proc(
@@ -157,6 +167,26 @@ def sse(data: bytes) -> list[dict]:
         if line.startswith("data:") and line[5:].strip() != "[DONE]":
             events.append(json.loads(line[5:]))
     return events
+
+
+@pytest.fixture
+def moe_checkpoint(tmp_path):
+    return save_checkpoint(tmp_path / "mixtral", "MixtralForCausalLM")
+
+
+def test_an_moe_family_equals_transformers(moe_checkpoint):
+    """Mixtral through the router: prompt and decode both route through the experts.
+    NOTE: first in the file, so that its deployment is gone before the module's starts."""
+    d = Deployment(moe_checkpoint, num_decodes=1)
+    try:
+        for text, n in ((TEXTS[0], 1), (TEXTS[1], 12)):
+            ids = encode(moe_checkpoint, text)
+            (expected,) = greedy_reference(moe_checkpoint, [ids], n)
+            status, raw = d.generate({"text": text, "sampling_params": greedy(n)})
+            assert status == 200, raw
+            assert json.loads(raw)["output_ids"] == expected, text
+    finally:
+        d.close()
 
 
 def test_single_requests_text_and_ids_equal_transformers(deployment, checkpoint):

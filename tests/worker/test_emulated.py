@@ -102,6 +102,23 @@ def test_sliding_layers_cost_their_window_on_the_device():
     assert dev.last_forward()[2] == pytest.approx(want)
 
 
+def test_the_emulated_models_sparse_layers_cost_their_experts():
+    """The device charges the experts on the emulated shape's sparse layers (every second
+    one here, layer 1 kept dense) and a dense MLP on the rest; the host stand-in is dense."""
+    shape = dataclasses.replace(resolve_shape("Qwen3-30B-A3B"), sparse_step=2, dense_layers=(1,))
+    dev = EmulatedDevice(shape, "h200")
+    model = host_model(host_config(ModelConfig.tiny(), "Qwen3-30B-A3B"), seed=0)
+    assert not any(model.config.is_moe(i) for i in range(48))
+    kv = KVCache.for_model(model.config, 4096)
+    extend, prefix = [300, 200], [512, 0]
+    dev.forward(model, _batch(extend, prefix), kv)
+    dense = sum(layer_parts_s(shape, dev.gpu, extend, prefix))
+    sparse = sum(layer_parts_s(shape, dev.gpu, extend, prefix, sparse=True))
+    assert sparse > 1.5 * dense  # 128 experts' weights against one MLP's
+    want = 25 * dense + 23 * sparse + sum(head_parts_s(shape, dev.gpu, 2))
+    assert dev.last_forward()[2] == pytest.approx(want)
+
+
 def test_windowed_pairs_count_each_querys_keys():
     for e, p, w in [(1, 0, 4), (10, 0, 4), (10, 2, 4), (3, 100, 4), (7, 1, 1), (5, 0, 100)]:
         assert windowed_pairs(e, p, w) == sum(min(p + j + 1, w) for j in range(e))

@@ -223,3 +223,25 @@ def test_clock_is_thread_safe():
         th.join(timeout=10)
     # Every piece queued behind the one before: no two pieces share a start.
     assert clock.busy_until == 2000.0
+
+
+# NOTE: the times these dense layers took before the roofline learnt experts; they must
+# not move (float equality: the same arithmetic in the same order).
+DENSE_PINS = [
+    ("Llama-3.1-8B", 1, (0.0005591173736796186, 0.0), (0.0001628679641791045, 0.0)),
+    ("Qwen2.5-0.5B", 2, (3e-05, 2.809386666666667e-05), (3e-05, 2.0009955555555558e-05)),
+    ("Llama-3.1-70B", 1, (0.002103347892527517, 0.0), (0.0006387406328358209, 0.0)),
+    (
+        "Llama-3.1-70B",
+        2,
+        (0.0010516739462637585, 9.400106666666666e-05),
+        (0.00031940088358208956, 2.0091022222222222e-05),
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "tp", "batch", "one_windowed"), DENSE_PINS)
+def test_dense_layer_times_are_pinned(name, tp, batch, one_windowed):
+    shape = PRESETS[name]
+    assert layer_parts_s(shape, H200, [512, 300, 1], [0, 4096, 9000], tp) == batch
+    assert layer_parts_s(shape, GPUS["h100"], [1], [0], tp, 64) == one_windowed
