@@ -74,6 +74,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     attention_out_bias: bool = False
+    attention_sinks: bool = False  # one learned sink logit per query head (gpt-oss)
     architecture: str = "LlamaForCausalLM"
     dtype: str = "float32"
     # Sliding-window attention: a layer of type "sliding_attention" sees the last

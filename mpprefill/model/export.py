@@ -13,6 +13,7 @@ from mpprefill.model.loader import hf_state_dict
 
 def hf_config(config: ModelConfig) -> dict:
     d = dataclasses.asdict(config)
+    del d["attention_sinks"]  # gpt-oss's, whose checkpoints this does not write
     scaling = d.pop("rope_scaling")
     out = {
         "architectures": [d.pop("architecture")],
