@@ -1,8 +1,9 @@
 """gpt-oss from checkpoints transformers wrote (random weights, sinks far from zero, a small
 SwiGLU limit so the clamp bites): last-token logits within 1e-3 relative of transformers'
 in float32 and first tokens equal, through the offline engine in normal and proc-ahead,
-over prompts that share prefixes, cross chunks and exceed the sliding window; its experts
-against a loop over tokens; its config as transformers reads it, and refusals."""
+over prompts that share prefixes, cross chunks and exceed the sliding window, and at TP 2
+(gloo); its experts against a loop over tokens; its config as transformers reads it, and
+refusals."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from mpprefill.model.families import config_from_hf
 from mpprefill.model.layers.moe import SparseMoE
 from mpprefill.model.loader import read_config
 from tests.model.test_families import CHUNK, DIMS, WINDOW, check_against, hf_model, prompt_sets
-from tests.model.test_hf_oracle import save
+from tests.model.test_hf_oracle import DIMS as TP_DIMS
+from tests.model.test_hf_oracle import prompts, save, transformers
+from tests.model.test_tensor_parallel import REL_ERR, oracle, rel_err
+from tests.model.tp_ranks import run_ranks
 
 YARN = {
     "rope_type": "yarn",
@@ -142,3 +146,23 @@ def test_the_experts_match_a_loop_over_tokens(grouped):
     x = torch.randn(29, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(m(x), per_token(m, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_tp2_gpt_oss_matches_transformers(tmp_path):
+    """gpt-oss at 2 ranks (gloo): each rank's heads of the sinks, its run of columns of the
+    interleaved gate_up, its rows of down, the down bias added once."""
+    changes = {**CHANGES, "sliding_window": 9, "rope_parameters": {**YARN, "rope_theta": 5e4}}
+    config = transformers.GptOssConfig(**{**TP_DIMS, "num_hidden_layers": 2, **changes})
+    torch.manual_seed(0)
+    reference = transformers.GptOssForCausalLM(config).eval().float()
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            scale = 2.0 if name.endswith("sinks") else 0.1
+            p.copy_((1.0 if "norm" in name else 0.0) + scale * torch.randn(p.shape))
+    path = save(reference, tmp_path / "gpt-oss")
+    ids = prompts(TP_DIMS["vocab_size"])
+    ranks = run_ranks(2, [path], ids, str(tmp_path))
+    for key, want in oracle(reference, ids).items():
+        for rank, results in enumerate(ranks):
+            assert rel_err(results[path][key], want) < REL_ERR, (key, rank)
