@@ -2,8 +2,8 @@
 the host, from the batch's host lengths, then runs every layer's attention over the whole
 batch in a number of calls that does not grow with the number of requests.
 
-    plan = backend.plan(fb, kv_indices, window)      # once per forward (and per pool)
-    out = backend.attend(q, k_pool, v_pool, plan)    # once per layer
+    plan = backend.plan(fb, kv_indices, window)             # once per forward (and per pool)
+    out = backend.attend(q, k_pool, v_pool, plan, sinks)    # once per layer
 
 Request r of a batch has p_r prefix tokens, e_r new tokens (its queries, at positions
 p_r .. p_r + e_r - 1) and, in `kv_indices`, the slots of its p_r + e_r keys. A layer with
@@ -17,6 +17,12 @@ Backends (`--attention-backend`):
   longest queries and keys and masked.
 - torch_varlen: torch's flash-attention varlen kernel over the packed batch (CUDA, 16-bit
   dtypes): one call a layer, no padding, the causal mask aligned to each request's end.
+
+Attention sinks (gpt-oss): one learned logit s_h per query head joins every softmax
+denominator of head h, with no value. With O and L the attention output and log-sum-exp of a
+query without the sink, the output with it is O * e^L / (e^L + e^s) = O * sigmoid(L - s_h),
+so a backend that returns L corrects its output with one elementwise product, whatever the
+batch.
 
 Nothing here reads a device tensor back: index tensors are built on the host with torch's
 CPU ops from the host lengths and copied to the device without a wait.
@@ -88,9 +94,18 @@ class AttentionBackend:
     def plan(self, fb: ForwardBatch, kv_indices: Tensor, window: int | None) -> Any:
         raise NotImplementedError
 
-    def attend(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, plan: Any) -> Tensor:
-        """q [T, H, D] over the pool's keys and values [slots, H_kv, D]: [T, H, D]."""
+    def attend(
+        self, q: Tensor, k_pool: Tensor, v_pool: Tensor, plan: Any, sinks: Tensor | None = None
+    ) -> Tensor:
+        """q [T, H, D] over the pool's keys and values [slots, H_kv, D]: [T, H, D].
+        `sinks` [H]: each head's sink logit (see the module doc)."""
         raise NotImplementedError
+
+
+def sink_gate(lse: Tensor, sinks: Tensor) -> Tensor:
+    """sigmoid(L - s_h) in float32, the factor a sink leaves on each output; `lse` holds
+    the heads on its second to last dimension ([.., H, queries])."""
+    return torch.sigmoid(lse.float() - sinks.float()[:, None])
 
 
 class Group(NamedTuple):
@@ -131,23 +146,66 @@ class TorchNative(AttentionBackend):
             return NativePlan(groups, None)  # one unpadded group, in batch order
         return NativePlan(groups, _upload(_ranges(src_start, lens.extend), device))
 
-    def attend(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, plan: NativePlan) -> Tensor:
-        outs = [_attend_group(q, k_pool, v_pool, g) for g in plan.groups]
+    def attend(
+        self,
+        q: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        plan: NativePlan,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
+        outs = [_attend_group(q, k_pool, v_pool, g, sinks) for g in plan.groups]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out if plan.out_rows is None else out.index_select(0, plan.out_rows)
 
 
-def _attend_group(q: Tensor, k_pool: Tensor, v_pool: Tensor, g: Group) -> Tensor:
+def _attend_group(
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, g: Group, sinks: Tensor | None
+) -> Tensor:
     n, e, k = g.size, g.queries, g.keys
     heads, dim = q.shape[1], q.shape[2]
     # NOTE: 4-D [n, heads, len, dim] inputs; 3-D ones take the slow math kernel on the CPU.
     qg = q.index_select(0, g.query_rows).view(n, e, heads, dim).transpose(1, 2)
     kg = _keys(k_pool, g.key_slots, n, k, q.dtype)
     vg = _keys(v_pool, g.key_slots, n, k, q.dtype)
-    out = F.scaled_dot_product_attention(
-        qg, kg, vg, attn_mask=g.mask, is_causal=g.causal, enable_gqa=True
-    )
+    if sinks is None:
+        out = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=g.mask, is_causal=g.causal, enable_gqa=True
+        )
+    else:
+        out, lse = attention_with_lse(qg, kg, vg, g.mask, g.causal)
+        out = out * sink_gate(lse, sinks).unsqueeze(-1).to(out.dtype)
     return out.transpose(1, 2).reshape(n * e, heads, dim)
+
+
+def attention_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
+) -> tuple[Tensor, Tensor]:
+    """Attention of q [n, H, E, D] over k, v [n, H_kv, K, D] and its log-sum-exp [n, H, E]
+    (float32): torch's flash kernel on the CPU, the scores written out elsewhere."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # neither form takes GQA: each KV head repeated for its query heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if q.device.type == "cpu":
+        if mask is not None:  # the kernel takes an additive mask of q's dtype only
+            mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        return flash(q, k, v, 0.0, causal, attn_mask=mask)
+    return _math_with_lse(q, k, v, mask, causal)
+
+
+def _math_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
+) -> tuple[Tensor, Tensor]:
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        e, kk = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(e, kk, dtype=torch.bool, device=q.device).tril_()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.matmul(probs.to(v.dtype), v), lse
 
 
 def _keys(pool: Tensor, slots: Tensor, n: int, k: int, dtype: torch.dtype) -> Tensor:
@@ -229,14 +287,18 @@ class VarlenPlan(NamedTuple):
 class TorchVarlen(AttentionBackend):
     """torch.nn.attention.varlen over the packed batch: its K/V gathered from the pool
     (one index_select each) then one kernel call. `kernel` (torch's varlen_attn unless
-    given) takes (q, k, v, cu_q, cu_k, max_q, max_k, window_size=, enable_gqa=)."""
+    given) takes (q, k, v, cu_q, cu_k, max_q, max_k, window_size=, enable_gqa=) and, with
+    `return_aux=AuxRequest(lse=True)`, returns the log-sum-exp [H, T] beside the output."""
 
     name = "torch_varlen"
 
     def __init__(self, kernel=None) -> None:
+        from torch.nn.attention.varlen import AuxRequest
+
         if kernel is None:
             from torch.nn.attention.varlen import varlen_attn as kernel
         self.kernel = kernel
+        self.with_lse = AuxRequest(lse=True)
 
     def plan(self, fb: ForwardBatch, kv_indices: Tensor, window: int | None) -> VarlenPlan:
         lens = Lengths.of(fb, window)
@@ -258,22 +320,26 @@ class TorchVarlen(AttentionBackend):
             (left, 0),
         )
 
-    def attend(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, plan: VarlenPlan) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        plan: VarlenPlan,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         k = k_pool.index_select(0, plan.key_slots)
         v = v_pool.index_select(0, plan.key_slots)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        return self.kernel(
-            q,
-            k,
-            v,
-            plan.cu_queries,
-            plan.cu_keys,
-            plan.max_queries,
-            plan.max_keys,
-            window_size=plan.window,
-            enable_gqa=True,
+        args = (q, k, v, plan.cu_queries, plan.cu_keys, plan.max_queries, plan.max_keys)
+        if sinks is None:
+            return self.kernel(*args, window_size=plan.window, enable_gqa=True)
+        out, lse = self.kernel(
+            *args, return_aux=self.with_lse, window_size=plan.window, enable_gqa=True
         )
+        # NOTE: the varlen kernel's log-sum-exp is [H, T] (flash-attention's varlen layout).
+        return out * sink_gate(lse, sinks).t().unsqueeze(-1).to(out.dtype)
 
 
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
 )
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
@@ -74,6 +75,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     attention_out_bias: bool = False
+    attention_sinks: bool = False  # one learned sink logit per query head (gpt-oss)
     architecture: str = "LlamaForCausalLM"
     dtype: str = "float32"
     # Sliding-window attention: a layer of type "sliding_attention" sees the last
@@ -89,6 +91,12 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_mlp_layers: tuple[int, ...] = ()
+    # gpt-oss's experts: biases on the router and on every expert's gate/up and down, and
+    # its clamped SwiGLU (None: plain SiLU): (clamp(up, -l, l) + 1) * g * sigmoid(alpha g)
+    # with g = min(gate, l).
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         self._check_layer_types()

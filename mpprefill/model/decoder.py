@@ -28,12 +28,19 @@ _NORMS = (RMSNorm, QKNorm)
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, tp: TPRank | None = None, qk_norm: bool = False
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        tp: TPRank | None = None,
+        qk_norm: bool = False,
+        stacked_experts: bool = False,
     ) -> None:
         super().__init__()
         self.attention = Attention(config, layer_id, tp, qk_norm)
-        moe = config.is_moe(layer_id)
-        self.feed_forward = SparseMoE(config, tp) if moe else GatedMLP(config, tp)
+        if config.is_moe(layer_id):
+            self.feed_forward = SparseMoE(config, tp, stacked=stacked_experts)
+        else:
+            self.feed_forward = GatedMLP(config, tp)
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -114,7 +121,9 @@ class CausalLM(nn.Module):
         else:
             self.tok_embeddings = VocabParallelEmbedding(config, tp)
         layers = range(config.num_hidden_layers)
-        self.layers = nn.ModuleList(DecoderLayer(local, i, tp, self.qk_norm) for i in layers)
+        self.layers = nn.ModuleList(
+            DecoderLayer(local, i, tp, self.qk_norm, self.expert_names.stacked) for i in layers
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if tp is None:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

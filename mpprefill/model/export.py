@@ -8,11 +8,15 @@ import os
 
 from mpprefill.model.config import ModelConfig
 from mpprefill.model.families import build_model, family
+from mpprefill.model.hf_config import require
 from mpprefill.model.loader import hf_state_dict
 
 
 def hf_config(config: ModelConfig) -> dict:
+    require(config.architecture != "GptOssForCausalLM", "writing a gpt-oss checkpoint is not built")
     d = dataclasses.asdict(config)
+    for key in ("attention_sinks", "expert_bias", "swiglu_limit", "swiglu_alpha"):
+        del d[key]  # gpt-oss's, whose checkpoints this does not write
     scaling = d.pop("rope_scaling")
     out = {
         "architectures": [d.pop("architecture")],

@@ -181,7 +181,7 @@ class SafetensorsShards:
     def read(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
         with self._open(self._files[name], framework="pt") as h:
             part = h.get_slice(name)
-            return part[rows] if len(part.get_shape()) == 1 else part[rows, cols]
+            return _part(part, len(part.get_shape()), rows, cols)
 
 
 class _WholeTensors:
@@ -195,7 +195,15 @@ class _WholeTensors:
 
     def read(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
         t = self.tensors[name]
-        return t[rows] if t.dim() == 1 else t[rows, cols]
+        return _part(t, t.dim(), rows, cols)
+
+
+def _part(t, dims: int, rows: slice, cols: slice):
+    """A tensor's rows (and columns); of a 3-D one, a stack of experts, the rows and columns
+    of every expert's matrix."""
+    if dims == 1:
+        return t[rows]
+    return t[rows, cols] if dims == 2 else t[:, rows, cols]
 
 
 def load_tp_weights(model: CausalLM, source: SafetensorsShards | dict[str, torch.Tensor]) -> None:

@@ -12,6 +12,11 @@ a rank holds, and the layers whose outputs need a collective.
 | down_proj          | columns    | the columns of its gate/up rows            | all-reduce |
 | experts' gate/up   | rows       | every expert's rows [r * I_e / N, ...)     |            |
 | experts' down      | columns    | every expert's columns of its gate/up rows | all-reduce |
+| gpt-oss gate_up,   | columns,   | every expert's columns [2 r I_e / N, ...)  |            |
+| down_proj          | rows       | (gate and up interleaved); its down rows   | all-reduce |
+| experts' biases    | as above   | gate/up: its columns; down: whole, added   |            |
+|                    |            | by rank 0 only                             |            |
+| sinks              | heads      | those of its query heads                   |            |
 | router (gate)      | none       | all of it                                  |            |
 | lm_head            | vocab rows | as embed_tokens (tied: the same tensor)    | all-gather |
 | norms, o_proj bias | none       | all of it                                  |            |

@@ -30,6 +30,18 @@ QWEN3_MOE = {
     "norm_topk_prob": False,
     "dense_mlp_layers": (1,),
 }
+GPT_OSS = {
+    **MIXTRAL,
+    "architecture": "GptOssForCausalLM",
+    "head_dim": 64,
+    "attention_bias": True,
+    "attention_out_bias": True,
+    "attention_sinks": True,
+    "expert_bias": True,
+    "swiglu_limit": 7.0,
+    "sliding_window": 24,
+    "layer_types": ("sliding_attention", "full_attention") * 2,
+}
 
 
 def model_of(layers: int = 4, **changes) -> tuple[CausalLM, KVCache]:
@@ -93,8 +105,19 @@ def test_the_guard_lets_the_host_read_its_own_lengths_and_tensors():
         {"rope_scaling": RopeScaling("yarn", 4.0, original_max_position_embeddings=16)},
         MIXTRAL,
         QWEN3_MOE,
+        GPT_OSS,
     ],
-    ids=["plain", "tied-bias", "sliding", "qwen3", "dynamic", "yarn", "mixtral", "qwen3-moe"],
+    ids=[
+        "plain",
+        "tied-bias",
+        "sliding",
+        "qwen3",
+        "dynamic",
+        "yarn",
+        "mixtral",
+        "qwen3-moe",
+        "gpt-oss",
+    ],
 )
 def test_a_forward_reads_no_device_tensor_and_the_guard_changes_nothing(changes):
     model, kv = model_of(**changes)
@@ -106,8 +129,8 @@ def test_a_forward_reads_no_device_tensor_and_the_guard_changes_nothing(changes)
 
 @pytest.mark.parametrize(
     "changes",
-    [{}, {"architecture": "Qwen3ForCausalLM", "head_dim": 64}, MIXTRAL, QWEN3_MOE],
-    ids=["llama", "qwen3", "mixtral", "qwen3-moe"],
+    [{}, {"architecture": "Qwen3ForCausalLM", "head_dim": 64}, MIXTRAL, QWEN3_MOE, GPT_OSS],
+    ids=["llama", "qwen3", "mixtral", "qwen3-moe", "gpt-oss"],
 )
 def test_calls_do_not_grow_with_the_requests_of_a_batch(changes):
     """64 x 16 new tokens and 4 x 256 (1,024 either way), each with 64 cached."""

@@ -10,6 +10,7 @@ import torch
 
 from mpprefill.model.config import ModelConfig
 from mpprefill.model.decoder import CausalLM
+from mpprefill.model.families.gpt_oss import GptOssForCausalLM
 from mpprefill.model.families.llama import LlamaForCausalLM
 from mpprefill.model.families.mistral import MistralForCausalLM
 from mpprefill.model.families.mixtral import MixtralForCausalLM
@@ -27,6 +28,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
         Qwen3ForCausalLM,
         MixtralForCausalLM,
         Qwen3MoeForCausalLM,
+        GptOssForCausalLM,
     )
 }
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES.values()}

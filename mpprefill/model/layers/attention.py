@@ -1,11 +1,13 @@
 """The attention layer: fused q|k|v projection, optional per-head q/k norm, rotary in
 place, K and V written to the pool, then one call of the batch's attention backend
-(`model/attention.py`) and the output projection."""
+(`model/attention.py`) and the output projection. With `attention_sinks` each query head
+holds a learned sink logit the backend adds to its softmax denominators (gpt-oss)."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from mpprefill.memory.kv_cache import KVCache
@@ -43,6 +45,7 @@ class Attention(nn.Module):
         )
         self.wo = row_linear(config.q_size, config.hidden_size, config.attention_out_bias, tp)
         self.qk_norm = QKNorm(self.head_dim, self.n_head, config.rms_norm_eps) if qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(self.n_head)) if config.attention_sinks else None
 
     def forward(self, x: Tensor, ctx: LayerContext, locs: Tensor, plan: Any) -> Tensor:
         n, dim = x.shape[0], self.head_dim
@@ -55,15 +58,15 @@ class Attention(nn.Module):
         q, k = qk[:, : self.n_head], qk[:, self.n_head :]
         kv = ctx.kv
         kv.write(self.layer_id, locs, k, qkv[:, self.qk_size :].view(n, self.n_kv_head, dim))
-        out = ctx.backend.attend(q, kv.k(self.layer_id), kv.v(self.layer_id), plan)
+        out = ctx.backend.attend(q, kv.k(self.layer_id), kv.v(self.layer_id), plan, self.sinks)
         return self.wo(out.view(n, -1))
 
     @staticmethod
     def shard_table(
         config: ModelConfig, tp: TPRank, hf: str, ours: str, qk_norm: bool = False
     ) -> dict[str, ShardEntry]:
-        """q/k/v/o_proj (and q_norm / k_norm) under `hf` into wqkv / wo (/ qk_norm) under
-        `ours`, rank `tp.rank`'s heads."""
+        """q/k/v/o_proj (and q_norm / k_norm, sinks) under `hf` into wqkv / wo (/ qk_norm,
+        sinks) under `ours`, rank `tp.rank`'s heads."""
         dim = config.head_size
         q, kv = span(tp.heads(config), dim), span(tp.kv_heads(config), dim)
         q_len, kv_len = q.stop - q.start, kv.stop - kv.start
@@ -81,6 +84,8 @@ class Attention(nn.Module):
         table[f"{hf}o_proj.weight"] = (f"{ours}wo.weight", WHOLE, WHOLE, q)
         if config.attention_out_bias:
             table[f"{hf}o_proj.bias"] = (f"{ours}wo.bias", WHOLE, WHOLE, WHOLE)
+        if config.attention_sinks:
+            table[f"{hf}sinks"] = (f"{ours}sinks", WHOLE, span(tp.heads(config), 1), WHOLE)
         if qk_norm:
             for head in ("q", "k"):
                 entry = (f"{ours}qk_norm.{head}_weight", WHOLE, WHOLE, WHOLE)

@@ -10,6 +10,11 @@ offsets, never read by the host.
     routed row j = (token j // k, its (j % k)-th expert)
     sorted by expert:  | expert 0's rows | expert 1's rows | ... |  ends = offsets[e]
 
+gpt-oss's experts (`stacked`) keep the layout its checkpoint stacks them in: gate|up
+[E, H, 2I] with gate and up interleaved column by column (gate at even columns, up at odd
+ones), down [E, I, H], with biases on both and on the router, and its clamped SwiGLU
+(`ModelConfig.swiglu_limit`). Interleaved, a TP rank's rows of I are one run of columns.
+
 Where the grouped matmul does not take the device and dtype (CUDA in other than bfloat16),
 every expert runs over every token and the routing weights, zero for the experts a token
 did not pick, sum them: E / k times the work, the same host-known shapes.
@@ -30,13 +35,16 @@ from mpprefill.model.parallel import WHOLE, ShardEntry, TPRank, span
 
 class ExpertNames(NamedTuple):
     """A family's checkpoint names of a sparse MLP under its layer's prefix; expert e's
-    projections are `{block}experts.{e}.{gate|up|down}.weight`."""
+    projections are `{block}experts.{e}.{gate|up|down}.weight`, or, `stacked`, every
+    expert's in `{block}experts.{gate}` (gate and up together) and `{block}experts.{down}`,
+    their biases beside them with `_bias`."""
 
     block: str = "mlp."
     router: str = "gate"
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
+    stacked: bool = False
 
 
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -47,21 +55,56 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
 class SparseMoE(nn.Module):
     """`config`: this rank's shard (its `moe_intermediate_size` rows of every expert); at
     several ranks the output is all-reduced. `grouped`: the grouped matmul (True) or every
-    expert over every token (False); None: the grouped matmul where it runs."""
+    expert over every token (False); None: the grouped matmul where it runs. `stacked`:
+    gpt-oss's layout of the experts (see the module doc)."""
 
     def __init__(
-        self, config: ModelConfig, tp: TPRank | None = None, grouped: bool | None = None
+        self,
+        config: ModelConfig,
+        tp: TPRank | None = None,
+        grouped: bool | None = None,
+        stacked: bool = False,
     ) -> None:
         super().__init__()
         self.grouped = grouped
+        self.stacked = stacked
         experts, hidden = config.num_experts, config.hidden_size
         inter = config.moe_intermediate_size
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         self.tp = tp if tp is not None and tp.size > 1 else None
-        self.router = nn.Linear(hidden, experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.router = nn.Linear(hidden, experts, bias=config.expert_bias)
+        w13 = (experts, hidden, 2 * inter) if stacked else (experts, 2 * inter, hidden)
+        w2 = (experts, inter, hidden) if stacked else (experts, hidden, inter)
+        self.w13 = nn.Parameter(torch.empty(w13))
+        self.w2 = nn.Parameter(torch.empty(w2))
+        self.b13 = self.b2 = None
+        if config.expert_bias:
+            self.b13 = nn.Parameter(torch.empty(experts, 2 * inter))
+            self.b2 = nn.Parameter(torch.empty(experts, hidden))
+        # NOTE: the down bias is added once, by rank 0, before the all-reduce.
+        self.down_bias = self.b2 is not None and (self.tp is None or self.tp.rank == 0)
+
+    def _gate_up(self) -> Tensor:
+        """Every expert's gate|up weights as the right operand of x @ W: [E, H, 2I]."""
+        return self.w13 if self.stacked else self.w13.transpose(1, 2)
+
+    def _down(self) -> Tensor:
+        """[E, I, H]."""
+        return self.w2 if self.stacked else self.w2.transpose(1, 2)
+
+    def _activate(self, gate_up: Tensor) -> Tensor:
+        """SiLU(gate) * up, or gpt-oss's clamped form (see ModelConfig.swiglu_limit)."""
+        if self.stacked:
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        if self.limit is None:
+            return F.silu(gate).mul_(up)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit).add_(1)
+        return gate.mul_(torch.sigmoid(gate * self.alpha)).mul_(up)
 
     def forward(self, x: Tensor) -> Tensor:
         weights, experts = self.route(x)
@@ -88,15 +131,22 @@ class SparseMoE(nn.Module):
         offsets = torch.searchsorted(sorted_experts, ids, right=True, out_int32=True)
         tokens = order.div(self.top_k, rounding_mode="floor")
         rows = x.index_select(0, tokens)
-        gate, up = F.grouped_mm(rows, self.w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        h = F.silu(gate).mul_(up)
-        y = F.grouped_mm(h, self.w2.transpose(1, 2), offs=offsets)
+        gate_up = F.grouped_mm(rows, self._gate_up(), offs=offsets)
+        if self.b13 is not None:
+            gate_up += self.b13.index_select(0, sorted_experts)
+        y = F.grouped_mm(self._activate(gate_up), self._down(), offs=offsets)
+        if self.down_bias:
+            y += self.b2.index_select(0, sorted_experts)
         y.mul_(weights.view(-1).index_select(0, order).unsqueeze(1))
         return torch.zeros_like(x).index_add_(0, tokens, y)
 
     def _dense(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        gate, up = torch.matmul(x, self.w13.transpose(1, 2)).chunk(2, dim=-1)
-        y = torch.matmul(F.silu(gate).mul_(up), self.w2.transpose(1, 2))  # [E, T, H]
+        gate_up = torch.matmul(x, self._gate_up())  # [E, T, 2I]
+        if self.b13 is not None:
+            gate_up += self.b13.unsqueeze(1)
+        y = torch.matmul(self._activate(gate_up), self._down())  # [E, T, H]
+        if self.down_bias:
+            y += self.b2.unsqueeze(1)
         dense = torch.zeros(x.shape[0], self.w13.shape[0], dtype=x.dtype, device=x.device)
         dense.scatter_(1, experts, weights)  # [T, E]: zero where a token did not route
         return torch.einsum("te,eth->th", dense, y)
@@ -111,9 +161,32 @@ class SparseMoE(nn.Module):
         n = rows.stop - rows.start
         block = f"{hf}{names.block}"
         table = {f"{block}{names.router}.weight": (f"{ours}router.weight", WHOLE, WHOLE, WHOLE)}
+        if config.expert_bias:
+            table[f"{block}{names.router}.bias"] = (f"{ours}router.bias", WHOLE, WHOLE, WHOLE)
+        if names.stacked:
+            return table | _stacked_table(config, tp, f"{block}experts.", ours, names)
         for e in range(config.num_experts):
             expert = f"{block}experts.{e}."
             table[f"{expert}{names.gate}.weight"] = (f"{ours}w13", (e, slice(0, n)), rows, WHOLE)
             table[f"{expert}{names.up}.weight"] = (f"{ours}w13", (e, slice(n, 2 * n)), rows, WHOLE)
             table[f"{expert}{names.down}.weight"] = (f"{ours}w2", (e, WHOLE), WHOLE, rows)
         return table
+
+
+def _stacked_table(
+    config: ModelConfig, tp: TPRank, hf: str, ours: str, names: ExpertNames
+) -> dict[str, ShardEntry]:
+    """gpt-oss's stacked experts: rows and columns index each expert's matrix (the loader
+    reads a 3-D tensor as [:, rows, cols]); gate and up interleaved, so rank r's rows of I
+    are the columns [2 r I / N, 2 (r + 1) I / N)."""
+    rows = span(tp.moe_intermediate(config), 1)
+    cols = span(tp.moe_intermediate(config), 2)
+    gate_up, down = f"{hf}{names.gate}", f"{hf}{names.down}"
+    table = {
+        gate_up: (f"{ours}w13", WHOLE, WHOLE, cols),
+        down: (f"{ours}w2", WHOLE, rows, WHOLE),
+    }
+    if config.expert_bias:
+        table[f"{gate_up}_bias"] = (f"{ours}b13", WHOLE, WHOLE, cols)
+        table[f"{down}_bias"] = (f"{ours}b2", WHOLE, WHOLE, WHOLE)
+    return table
