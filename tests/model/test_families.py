@@ -84,18 +84,23 @@ def check_against(reference, outs, prompts) -> None:
         assert out.first_token == int(want.argmax()), len(ids)
 
 
-def run_case(tmp_path, case: str, mode: str) -> None:
-    family, changes = CASES[case]
-    reference = hf_model(family, **changes)
-    path = save(reference, tmp_path / case)
+def serve_and_check(reference, path, mode: str) -> None:
+    """Prompts, then prompts sharing their prefixes, through the engine in `mode`: each
+    last-token logits row against `reference` (a transformers model saved at `path`)."""
     first, second = prompt_sets(DIMS["vocab_size"])
     kw = dict(forward_mode=mode, page_size=4, chunked_prefill_size=CHUNK, check_invariants=True)
     with PrefillEngine(model_path=path, **kw) as eng:
-        assert eng.model_config.architecture == f"{family}ForCausalLM"
+        assert eng.model_config.architecture == type(reference).__name__
         check_against(reference, eng.prefill(first, return_logits=True), first)
         outs = eng.prefill(second, return_logits=True)
         check_against(reference, outs, second)
         assert sum(o.cached_tokens for o in outs) >= 40  # the prefixes came from the cache
+
+
+def run_case(tmp_path, case: str, mode: str) -> None:
+    family, changes = CASES[case]
+    reference = hf_model(family, **changes)
+    serve_and_check(reference, save(reference, tmp_path / case), mode)
 
 
 @pytest.mark.timeout(180)

@@ -13,12 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpprefill.engine import PrefillEngine
 from mpprefill.model import ModelConfig
 from mpprefill.model.families import config_from_hf
 from mpprefill.model.layers.moe import SparseMoE
 from mpprefill.model.loader import read_config
-from tests.model.test_families import CHUNK, DIMS, WINDOW, check_against, hf_model, prompt_sets
+from tests.model.test_families import DIMS, WINDOW, hf_model, serve_and_check
 from tests.model.test_hf_oracle import DIMS as TP_DIMS
 from tests.model.test_hf_oracle import prompts, save, transformers
 from tests.model.test_tensor_parallel import REL_ERR, oracle, rel_err
@@ -56,15 +55,7 @@ def gpt_oss(**changes):
 
 def run(tmp_path, mode: str, **changes) -> None:
     reference = gpt_oss(**changes)
-    path = save(reference, tmp_path / "gpt-oss")
-    first, second = prompt_sets(DIMS["vocab_size"])
-    kw = dict(forward_mode=mode, page_size=4, chunked_prefill_size=CHUNK, check_invariants=True)
-    with PrefillEngine(model_path=path, **kw) as eng:
-        assert eng.model_config.architecture == "GptOssForCausalLM"
-        check_against(reference, eng.prefill(first, return_logits=True), first)
-        outs = eng.prefill(second, return_logits=True)
-        check_against(reference, outs, second)
-        assert sum(o.cached_tokens for o in outs) >= 40  # the prefixes came from the cache
+    serve_and_check(reference, save(reference, tmp_path / "gpt-oss"), mode)
 
 
 @pytest.mark.timeout(180)

@@ -10,18 +10,15 @@ import dataclasses
 import pytest
 import torch
 
-from mpprefill.engine import PrefillEngine
 from mpprefill.model import ModelConfig
 from mpprefill.model.families import config_from_hf
 from mpprefill.model.layers.moe import SparseMoE
 from mpprefill.model.loader import read_config
 from tests.model.test_families import (
-    CHUNK,
     DIMS,
     WINDOW,
-    check_against,
     hf_model,
-    prompt_sets,
+    serve_and_check,
 )
 from tests.model.test_hf_oracle import save
 
@@ -94,15 +91,7 @@ def test_experts_no_token_picked_and_a_single_token():
 def run_case(tmp_path, case: str, mode: str) -> None:
     family, changes = CASES[case]
     reference = hf_model(family, **changes)
-    path = save(reference, tmp_path / case)
-    first, second = prompt_sets(DIMS["vocab_size"])
-    kw = dict(forward_mode=mode, page_size=4, chunked_prefill_size=CHUNK, check_invariants=True)
-    with PrefillEngine(model_path=path, **kw) as eng:
-        assert eng.model_config.architecture == f"{family}ForCausalLM"
-        check_against(reference, eng.prefill(first, return_logits=True), first)
-        outs = eng.prefill(second, return_logits=True)
-        check_against(reference, outs, second)
-        assert sum(o.cached_tokens for o in outs) >= 40  # the prefixes came from the cache
+    serve_and_check(reference, save(reference, tmp_path / case), mode)
 
 
 @pytest.mark.timeout(180)
