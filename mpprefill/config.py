@@ -23,6 +23,8 @@ EMULATE_MODELS = (
     "Mixtral-8x7B",
     "Qwen3-30B-A3B",
     "Qwen3-235B-A22B",
+    "gpt-oss-20b",
+    "gpt-oss-120b",
 )
 STAGINGS = ("pinned", "cuda-ipc")  # how a CUDA worker gets its batch inputs
 DTYPES = ("auto", "bfloat16", "float16", "float32")

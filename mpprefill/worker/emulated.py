@@ -11,8 +11,13 @@ Device side: a clock (`roofline.DeviceClock`). Each layer's device time comes fr
 roofline of the emulated model's real dimensions at the batch's real token counts and
 prefix lengths on the named GPU (`roofline.layer_parts_s`). Layer k starts when it is
 issued and layer k - 1 is done; the forward is complete when the clock passes the end of
-its last piece. Events recorded on the stream fire at that time, so collect, the KV write
-fence and the WAR barrier see the forward as they would see a GPU's.
+its last piece. A layer slides on the device where the base model's layer does (see
+`host_config`) or, when the base model has no sliding layers, where the emulated shape's
+does (gpt-oss's even layers): the host stand-in then keeps full attention, and only the
+roofline charges the window. Attention sinks (gpt-oss) cost nothing extra: a few
+elementwise ops on each layer's attention, next to its GEMMs. Events recorded on the
+stream fire at that time, so collect, the KV write fence and the WAR barrier see the
+forward as they would see a GPU's.
 
 What still holds in this mode: the request lifecycle, chunk accounting, cache and pool
 invariants, and equal first tokens across modes: a request's first token is a function of
@@ -66,7 +71,9 @@ def host_config(base: ModelConfig, emulate_model: str) -> ModelConfig:
     model's layer count. With sliding-window layers in `base`, emulated layer i slides
     where layer i mod (base's layer count) does, so a repeating pattern keeps its period.
     The stand-in's MLPs are dense: the roofline, not the host path, charges the experts
-    (on the emulated model's sparse layers, whatever the checkpoint's)."""
+    (on the emulated model's sparse layers, whatever the checkpoint's). Without sliding
+    layers in `base` the stand-in attends fully even where the emulated shape slides
+    (gpt-oss); the roofline alone charges those layers' window."""
     shape = resolve_shape(emulate_model)
     types = None
     if base.has_sliding_layers:
@@ -138,8 +145,9 @@ class EmulatedDevice:
         extend = list(fb.extend_lens_cpu)
         prefix = list(fb.prefix_lens_cpu)
         config = model.config
-        kinds = [(config.is_sliding(i), self.shape.is_sparse(i)) for i in range(len(model.layers))]
-        costs = {kind: self._layer_parts(extend, prefix, config, *kind) for kind in set(kinds)}
+        n = len(model.layers)
+        kinds = [(self._window(config, i), self.shape.is_sparse(i)) for i in range(n)]
+        costs = {kind: self._layer_parts(extend, prefix, *kind) for kind in set(kinds)}
         layers = [costs[kind] for kind in kinds]
         head, gather = head_parts_s(self.shape, self.gpu, len(extend), self.tp_size)
         head_s = head + gather
@@ -160,12 +168,18 @@ class EmulatedDevice:
         self._last = (int(start * 1e9), int(end * 1e9), busy, collective)
         return logits
 
+    def _window(self, config: ModelConfig, layer: int) -> int | None:
+        """The layer's sliding window (None: full attention): the host model's where it has
+        sliding layers (the base config's pattern), else the emulated shape's."""
+        if config.has_sliding_layers:
+            return config.sliding_window if config.is_sliding(layer) else None
+        return self.shape.sliding_window if self.shape.is_sliding(layer) else None
+
     def _layer_parts(
-        self, extend: list[int], prefix: list[int], config: ModelConfig, sliding: bool, sparse: bool
+        self, extend: list[int], prefix: list[int], window: int | None, sparse: bool
     ) -> tuple[float, float]:
-        """One layer's (compute, all-reduce) seconds: windowed where the host model's layer
-        slides, the experts where the emulated model's layer is sparse."""
-        window = config.sliding_window if sliding else None
+        """One layer's (compute, all-reduce) seconds: windowed where `window` is set, the
+        experts where the emulated model's layer is sparse."""
         tp = self.tp_size
         return layer_parts_s(self.shape, self.gpu, extend, prefix, tp, window, sparse)
 

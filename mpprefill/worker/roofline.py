@@ -42,6 +42,11 @@ attends min(p + j + 1, W) positions and reads the KV from max(0, p - W + 1) on. 
 max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth); a layer never finishes faster
 than its kernels' launch floor. The head computes logits for R requests' last tokens only.
 
+A model whose shape names sliding layers (gpt-oss: window 128 on every even layer) is
+charged the windowed attention on those layers and the full one elsewhere. gpt-oss's
+attention sinks add a learned logit per head to each softmax: a few elementwise ops on
+the attention scores, no GEMM and no KV read, so they cost nothing extra here.
+
 Tensor parallel over N GPUs (`tp`): each rank runs the layer of `ModelShape.shard(N)` (its
 heads, KV heads and MLP rows, every expert's 1/N of its I_e rows with the router whole, as
 `model/layers/moe.py` shards them, a 1/N vocabulary slice of the head), then the layer's two
@@ -166,8 +171,19 @@ GPUS = {
 
 # ModelShape's fields that may be zero or empty (a dense model's) or are not counts.
 _NOT_POSITIVE = frozenset(
-    ("name", "num_experts", "experts_per_tok", "moe_intermediate", "sparse_step", "dense_layers")
+    (
+        "name",
+        "num_experts",
+        "experts_per_tok",
+        "moe_intermediate",
+        "sparse_step",
+        "dense_layers",
+        "sliding_window",
+        "sliding_layers",
+    )
 )
+# A config.json's name for a layer that attends only to its last `sliding_window` positions.
+SLIDING_TYPE = "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -191,6 +207,10 @@ class ModelShape:
     moe_intermediate: int = 0
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
+    # Sliding-window attention (none: every layer attends to all positions): the layers in
+    # `sliding_layers` attend to their last `sliding_window` positions.
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for key in (f.name for f in dataclasses.fields(self) if f.name not in _NOT_POSITIVE):
@@ -200,7 +220,9 @@ class ModelShape:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.name or 'model'}: heads not a multiple of kv heads")
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
         self._check_experts()
+        self._check_sliding()
 
     def _check_experts(self) -> None:
         who = self.name or "model"
@@ -216,6 +238,18 @@ class ModelShape:
         bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"{who}: dense_layers {bad} are not layers of {self.num_layers}")
+
+    def _check_sliding(self) -> None:
+        who = self.name or "model"
+        if self.sliding_window < 0 or bool(self.sliding_window) != bool(self.sliding_layers):
+            raise ValueError(f"{who}: sliding_window and sliding_layers go together")
+        bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"{who}: sliding_layers {bad} are not layers of {self.num_layers}")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends only to its last `sliding_window` positions."""
+        return layer in self.sliding_layers
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the mixture of experts."""
@@ -311,8 +345,9 @@ def _shape_from_dict(config: Mapping[str, Any], name: str) -> ModelShape:
     if config.get("head_dim") is None and hidden % heads:
         raise ValueError(f"hidden_size {hidden} is not a multiple of {heads} heads")
     intermediate = _int_field(config, "intermediate_size")
+    layers = _int_field(config, "num_hidden_layers")
     return ModelShape(
-        num_layers=_int_field(config, "num_hidden_layers"),
+        num_layers=layers,
         hidden=hidden,
         intermediate=intermediate,
         num_heads=heads,
@@ -321,6 +356,7 @@ def _shape_from_dict(config: Mapping[str, Any], name: str) -> ModelShape:
         vocab=_int_field(config, "vocab_size"),
         name=name,
         **_expert_fields(config, intermediate),
+        **_sliding_fields(config, layers),
     )
 
 
@@ -343,6 +379,25 @@ def _expert_fields(config: Mapping[str, Any], intermediate: int) -> dict[str, An
     )
 
 
+def _sliding_fields(config: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """The sliding layers as `layer_types` lists them, windows of `sliding_window`; without
+    `layer_types`, gpt-oss's even layers (as transformers' GptOssConfig fills it in). Other
+    configs without `layer_types` (Mistral's, Qwen2's) keep full attention, as before."""
+    if config.get("sliding_window") is None:
+        return {}
+    types = config.get("layer_types")
+    if types is None and config.get("model_type") == "gpt_oss":
+        types = [SLIDING_TYPE if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if types is None:
+        return {}
+    if not isinstance(types, (list, tuple)) or len(types) != layers:
+        raise ValueError(f"model config field layer_types must list {layers} layer types")
+    sliding = tuple(i for i, t in enumerate(types) if t == SLIDING_TYPE)
+    if not sliding:
+        return {}
+    return dict(sliding_window=_int_field(config, "sliding_window"), sliding_layers=sliding)
+
+
 def _int_field(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
     value = config.get(key)
     if value is None:  # NOTE: transformers writes null for some absent fields (head_dim)
@@ -356,6 +411,23 @@ def _int_field(config: Mapping[str, Any], key: str, default: int | None = None) 
 
 def _moe(e: int, k: int, inter: int) -> dict[str, int]:
     return dict(num_experts=e, experts_per_tok=k, moe_intermediate=inter)
+
+
+def _gpt_oss(name: str, layers: int, experts: int) -> ModelShape:
+    """gpt-oss: every layer sparse (top 4), windows of 128 on the even layers."""
+    return ModelShape(
+        layers,
+        2880,
+        2880,
+        64,
+        8,
+        64,
+        201088,
+        name=name,
+        **_moe(experts, 4, 2880),
+        sliding_window=128,
+        sliding_layers=tuple(range(0, layers, 2)),
+    )
 
 
 # The models' config.json on the Hugging Face Hub (the name is the repository's).
@@ -376,6 +448,8 @@ PRESETS = {
     "Qwen3-235B-A22B": ModelShape(
         94, 4096, 12288, 64, 4, 128, 151936, name="Qwen3-235B-A22B", **_moe(128, 8, 1536)
     ),
+    "gpt-oss-20b": _gpt_oss("gpt-oss-20b", 24, 32),
+    "gpt-oss-120b": _gpt_oss("gpt-oss-120b", 36, 128),
 }
 
 

@@ -102,6 +102,24 @@ def test_sliding_layers_cost_their_window_on_the_device():
     assert dev.last_forward()[2] == pytest.approx(want)
 
 
+def test_gpt_oss_layers_slide_on_the_device_over_a_full_attention_stand_in():
+    """The built-in model has no sliding layers, so the stand-in attends fully, but the
+    device charges gpt-oss-20b's 12 even layers their window of 128 and the 12 odd ones
+    full attention, every one with its experts."""
+    shape = resolve_shape("gpt-oss-20b")
+    dev = EmulatedDevice(shape, "h200")
+    model = host_model(host_config(ModelConfig.tiny(), "gpt-oss-20b"), seed=0)
+    assert not model.config.has_sliding_layers
+    kv = KVCache.for_model(model.config, 1 << 16)
+    extend, prefix = [512, 512], [16384, 0]
+    dev.forward(model, _batch(extend, prefix), kv)
+    full = sum(layer_parts_s(shape, dev.gpu, extend, prefix, sparse=True))
+    windowed = sum(layer_parts_s(shape, dev.gpu, extend, prefix, window=128, sparse=True))
+    assert windowed < 0.8 * full
+    want = 12 * windowed + 12 * full + sum(head_parts_s(shape, dev.gpu, 2))
+    assert dev.last_forward()[2] == pytest.approx(want)
+
+
 def test_the_emulated_models_sparse_layers_cost_their_experts():
     """The device charges the experts on the emulated shape's sparse layers (every second
     one here, layer 1 kept dense) and a dense MLP on the rest; the host stand-in is dense."""
