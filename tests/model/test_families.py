@@ -50,7 +50,22 @@ CASES = {
     ),
     "qwen3-bias": ("Qwen3", dict(head_dim=16, attention_bias=True)),
 }
-BOTH_MODES = ("llama3", "mistral-swa", "qwen3-swa")
+MOE = dict(num_experts_per_tok=2)
+CASES.update(
+    {
+        "mixtral": ("Mixtral", dict(num_local_experts=4, **MOE)),
+        "mixtral-swa": ("Mixtral", dict(num_local_experts=4, sliding_window=WINDOW, **MOE)),
+        "qwen3-moe": (
+            "Qwen3Moe",
+            dict(num_experts=8, moe_intermediate_size=32, head_dim=16, mlp_only_layers=[1], **MOE),
+        ),
+        "qwen3-moe-norm": (
+            "Qwen3Moe",
+            dict(num_experts=6, moe_intermediate_size=48, norm_topk_prob=True, **MOE),
+        ),
+    }
+)
+BOTH_MODES = ("llama3", "mistral-swa", "qwen3-swa", "mixtral", "qwen3-moe")
 
 
 def hf_model(family: str, **changes):

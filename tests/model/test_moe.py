@@ -1,7 +1,6 @@
-"""The mixture-of-experts layer against a loop over tokens, and the MoE families (Mixtral,
-Qwen3-MoE) from checkpoints transformers wrote (random weights): last-token logits within
-1e-3 relative of transformers' in float32 and first tokens equal, through the offline
-engine in normal and proc-ahead, over prompts that share prefixes and cross chunks."""
+"""The mixture-of-experts layer against a loop over tokens, and how the MoE families read
+their configs. Their checkpoints through the engine against transformers run with the other
+families' (`test_families.py`)."""
 
 from __future__ import annotations
 
@@ -14,28 +13,8 @@ from mpprefill.model import ModelConfig
 from mpprefill.model.families import config_from_hf
 from mpprefill.model.layers.moe import SparseMoE
 from mpprefill.model.loader import read_config
-from tests.model.test_families import (
-    DIMS,
-    WINDOW,
-    hf_model,
-    serve_and_check,
-)
+from tests.model.test_families import DIMS, MOE, hf_model
 from tests.model.test_hf_oracle import save
-
-MOE = dict(num_experts_per_tok=2)
-CASES = {
-    "mixtral": ("Mixtral", dict(num_local_experts=4, **MOE)),
-    "mixtral-swa": ("Mixtral", dict(num_local_experts=4, sliding_window=WINDOW, **MOE)),
-    "qwen3-moe": (
-        "Qwen3Moe",
-        dict(num_experts=8, moe_intermediate_size=32, head_dim=16, mlp_only_layers=[1], **MOE),
-    ),
-    "qwen3-moe-norm": (
-        "Qwen3Moe",
-        dict(num_experts=6, moe_intermediate_size=48, norm_topk_prob=True, **MOE),
-    ),
-}
-BOTH_MODES = ("mixtral", "qwen3-moe")
 
 
 def layer(experts: int = 8, k: int = 2, norm: bool = True, grouped: bool = True) -> SparseMoE:
@@ -86,24 +65,6 @@ def test_experts_no_token_picked_and_a_single_token():
         x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).abs()
         torch.testing.assert_close(m(x), per_token(m, x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(m(x[:1]), per_token(m, x[:1]), rtol=1e-5, atol=1e-5)
-
-
-def run_case(tmp_path, case: str, mode: str) -> None:
-    family, changes = CASES[case]
-    reference = hf_model(family, **changes)
-    serve_and_check(reference, save(reference, tmp_path / case), mode)
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", list(CASES))
-def test_moe_family_matches_transformers_in_normal(tmp_path, case):
-    run_case(tmp_path, case, "normal")
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", BOTH_MODES)
-def test_moe_family_matches_transformers_in_proc_ahead(tmp_path, case):
-    run_case(tmp_path, case, "proc-ahead")
 
 
 def test_qwen3_moe_layers_as_transformers_reads_them(tmp_path):
