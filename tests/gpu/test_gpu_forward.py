@@ -12,6 +12,7 @@ import torch
 
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, LlamaForCausalLM, ModelConfig
+from mpprefill.model.attention import TorchNative, TorchVarlen
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,3 +87,25 @@ def test_bf16_forward_issues_without_a_sync_and_the_backends_agree(shape, window
         )
     varlen, native = results["torch_varlen"][0], results["torch_native"][0]
     torch.testing.assert_close(varlen, native, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("window", [None, 64], ids=["full", "sliding"])
+def test_bf16_sinks_agree_between_the_backends_without_a_sync(window):
+    """torch_varlen takes the sink correction from the kernel's log-sum-exp (read as
+    [H, T]); torch_native computes its own. A wrong layout shows as a mismatch here."""
+    fb = batch(6, 96, 200)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads, dim = 8, 2, 64
+    q = torch.randn(fb.num_tokens, heads, dim, device="cuda", generator=gen).bfloat16()
+    k_pool = torch.randn(SLOTS, kv_heads, dim, device="cuda", generator=gen).bfloat16()
+    v_pool = torch.randn(SLOTS, kv_heads, dim, device="cuda", generator=gen).bfloat16()
+    sinks = 2.0 * torch.randn(heads, device="cuda", generator=gen)
+    outs = []
+    for backend in (TorchVarlen(), TorchNative()):
+        plan = backend.plan(fb, fb.kv_indices, window)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs.append(backend.attend(q, k_pool, v_pool, plan, sinks))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
