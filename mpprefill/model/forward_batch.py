@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -110,9 +110,14 @@ class ForwardBatch:
         return max(map(sum, zip(self.prefix_lens_cpu, self.extend_lens_cpu)), default=0)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ForwardBatch:
-        moved = {n: getattr(self, n).to(device, non_blocking=non_blocking) for n in TENSORS}
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ForwardBatch:
+        """The batch with `fn` applied to each tensor; the host lengths are kept."""
         return ForwardBatch(
-            **moved, prefix_lens_cpu=self.prefix_lens_cpu, extend_lens_cpu=self.extend_lens_cpu
+            **{n: fn(getattr(self, n)) for n in TENSORS},
+            prefix_lens_cpu=self.prefix_lens_cpu,
+            extend_lens_cpu=self.extend_lens_cpu,
         )
 
     def validate(self, deep: bool = False) -> None:

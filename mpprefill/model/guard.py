@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mpprefill.model.forward_batch import TENSORS, ForwardBatch
+from mpprefill.model.forward_batch import ForwardBatch
 
 _READS = {
     torch.Tensor.tolist,
@@ -85,10 +85,7 @@ class ForwardGuard:
 
     @contextlib.contextmanager
     def watch(self, fb: ForwardBatch) -> Iterator[ForwardBatch]:
-        marked = {n: getattr(fb, n).as_subclass(DeviceTensor) for n in TENSORS}
-        guarded = ForwardBatch(
-            **marked, prefix_lens_cpu=fb.prefix_lens_cpu, extend_lens_cpu=fb.extend_lens_cpu
-        )
+        guarded = fb.map_tensors(lambda t: t.as_subclass(DeviceTensor))
         counter = _Counter()
         with counter:
             yield guarded

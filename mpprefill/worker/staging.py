@@ -183,15 +183,14 @@ def read_slot(
             fb = dataclasses.replace(fb, **lens)
         return fb, sampling, False
     moved = fb.to(device, non_blocking=True)
-    return moved, _moved(sampling, device, sampling.to_tensors()), True
+    return moved, _sampling_on(sampling, device), True
 
 
-def _moved(obj, device, fields: dict[str, torch.Tensor] | None = None):
+def _sampling_on(sampling: SamplingBatchInfo, device) -> SamplingBatchInfo:
     """A copy with its tensors on `device`; other fields (all_greedy) are kept."""
-    if fields is None:
-        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    tensors = sampling.to_tensors()
     return dataclasses.replace(
-        obj, **{k: t.to(device, non_blocking=True) for k, t in fields.items()}
+        sampling, **{k: t.to(device, non_blocking=True) for k, t in tensors.items()}
     )
 
 
