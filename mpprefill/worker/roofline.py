@@ -1,31 +1,56 @@
-"""Device times for an emulated accelerator: a roofline of a real model on a named GPU.
+"""Device times for an emulated accelerator: a roofline of a real model on a named GPU,
+kernel by kernel.
 
 The host runs the model at tiny width; the device is a `DeviceClock` whose pieces of
-work last what this roofline says the real model would take. Per decoder layer of one
-ragged prefill batch (T = Σ e tokens, b = bytes per weight or activation, P = linear params
-per layer):
+work last what this roofline says the real model would take. A decoder layer of one
+ragged prefill batch costs the sum of its kernels (`layer_kernels`), each charged on its
+own as the slowest of its compute, its memory traffic and a launch floor:
 
-| part      | FLOPs                          | bytes                                   |
-|-----------|--------------------------------|-----------------------------------------|
-| linear    | 2·T·P                          | P·b + T·b·(10·hidden + 6·intermediate)  |
-| attention | Σ 4·H·d·e·(p + (e + 1)/2)      | Σ (p + 2e)·kv_row + 2·T·H·d·b           |
-| head      | 2·R·hidden·vocab               | vocab·hidden·b + R·vocab·4              |
+    seconds = max(FLOPs / (peak · eff), bytes / (bandwidth · 0.8), 3 µs)
 
-A mixture-of-experts layer (E experts of I_e rows, each token routed to k of them, so
-T·k routed rows; P_a = the q, k, v and o weights) replaces the linear row by two parts,
-the projections and the experts (router included, one max of its summed FLOPs and bytes):
+peak being the GPU's dense BF16 FLOP/s whatever the dtype. On one rank, with T = Σ e
+new tokens, h hidden, q = heads·d and kv = kv_heads·d (d the head dim), I the MLP's
+rows, b the bytes of a weight or activation, kv_row = 2·kv·b_kv the K and V of one
+token (b_kv the KV pool's bytes per element), and GEMM(M, N, K) an M x K by K x N
+product: 2·M·N·K FLOPs over (K·N + M·K + M·N)·b bytes (weights, input, output):
 
-| part      | FLOPs                          | bytes                                   |
-|-----------|--------------------------------|-----------------------------------------|
-| q,k,v,o   | 2·T·P_a                        | P_a·b + T·b·10·hidden                   |
-| router    | 2·T·hidden·E                   | hidden·E·b + T·E·b                      |
-| experts   | 2·T·k·3·hidden·I_e             | n·3·hidden·I_e·b + T·k·b·(4·hidden + 6·I_e) |
+| kernel              | work                                      | FLOP rate        |
+|---------------------|-------------------------------------------|------------------|
+| input norm          | 4·T·h·b bytes                             |                  |
+| qkv                 | GEMM(T, q + 2·kv, h)                      | peak·gemm(M,N,K) |
+| rope                | 2·T·(q + kv)·b bytes                      |                  |
+| KV write            | 2·T·kv·b + T·kv_row bytes                 |                  |
+| attention           | 4·q·pairs FLOPs, 2·T·q·b + rows·kv_row B  | peak·0.5         |
+| o_proj              | GEMM(T, h, q)                             | peak·gemm(M,N,K) |
+| post-attention norm | 4·T·h·b bytes                             |                  |
+| gate_up             | GEMM(T, 2·I, h)                           | peak·gemm(M,N,K) |
+| act (SiLU · up)     | 3·T·I·b bytes                             |                  |
+| down                | GEMM(T, h, I)                             | peak·gemm(M,N,K) |
 
-The router is a T x hidden x E GEMM (its weights read, its logits written); the routed
-rows go through gate, up and down of the expert size; each routed row is gathered
-(written, then read by gate/up), leaves down and is scaled and added back to its token
-(4·hidden), with the same 6·I_e intermediate passes as a dense MLP. Only the experts the
-batch hits are read, n of them in expectation:
+The norms are fused with the residual add (read the residual and the hidden, write
+both); the elementwise kernels' few FLOPs per byte are counted as none. Attention runs at
+a flat half of peak (softmax, masking and tiling keep flash kernels further from it than
+GEMMs; no shape curve for it).
+
+A mixture-of-experts layer (E experts of I_e rows, each token routed to k of them:
+R = T·k routed rows, n of the experts hit) replaces gate_up, act and down by:
+
+| kernel                | work                                                 |
+|-----------------------|------------------------------------------------------|
+| router                | GEMM(T, E, h)                                        |
+| top-k + softmax       | T·E·b + R·8 bytes (an int32 id, a float32 weight)    |
+| sort rows by expert   | 2·R·4 bytes                                          |
+| expert offsets        | E·4 bytes (the floor)                                |
+| gather routed rows    | 2·R·h·b bytes                                        |
+| grouped gate_up       | 2·R·2·I_e·h FLOPs, n·h·2·I_e·b + R·h·b + R·2·I_e·b B |
+| act                   | 3·R·I_e·b bytes                                      |
+| grouped down          | 2·R·h·I_e FLOPs, n·I_e·h·b + R·I_e·b + R·h·b B       |
+| scale by route weight | 2·R·h·b + R·4 bytes                                  |
+| sum back to tokens    | R·h·b + T·h·b bytes                                  |
+
+A grouped GEMM is n GEMMs of R/n rows each launched together: its efficiency is the
+curve's at M = R/n, their tiles sharing the waves. Only the experts the batch hits are
+read, n of them in expectation:
 
     n = E·(1 - (1 - 1/E)^(T·k))
 
@@ -33,19 +58,35 @@ assuming each of the T·k routings picks one of the E experts uniformly and inde
 of the others. Real routers are skewed, which hits fewer; a token's k experts are
 distinct, which hits a little more (at T = 1, n < k). At prefill sizes (T·k >> E) n is E.
 
-A request extends e tokens after a cached prefix of p; its j-th new token attends the
-p + j + 1 positions up to itself, which sums to e·(p + (e + 1)/2) query-key pairs, each
-2·d FLOPs for QKᵀ and 2·d for PV per head. The attention reads the whole KV (p + e rows
-of kv_row = 2·kv_heads·d·b_kv bytes, b_kv the KV pool's bytes per element) and writes e
-rows. The FLOP rates are the GPUs' dense BF16 ones whatever b is. A sliding-window layer of window W
-attends min(p + j + 1, W) positions and reads the KV from max(0, p - W + 1) on. Each part takes
-max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth); a layer never finishes faster
-than its kernels' launch floor. The head computes logits for R requests' last tokens only.
+The head (`head_kernels`) runs on the R requests' last positions: a gather of them
+(2·R·h·b bytes), the final norm (2·R·h·b) and the LM head, GEMM(R, vocab, h) whose logits
+are written as float32 (R·vocab·4 bytes instead of R·vocab·b).
 
-A model whose shape names sliding layers (gpt-oss: window 128 on every even layer) is
-charged the windowed attention on those layers and the full one elsewhere. gpt-oss's
-attention sinks add a learned logit per head to each softmax: a few elementwise ops on
-the attention scores, no GEMM and no KV read, so they cost nothing extra here.
+GEMM efficiency. After NVIDIA's Deep Learning Performance Guide, "Matrix Multiplication
+Background" (tiled GEMMs; tile quantization and wave quantization; smaller tiles reach a
+lower fraction of peak): the output is cut into tm x tn tiles, one per SM at a time, so
+
+    tiles = ⌈M/tm⌉·⌈N/tn⌉,  waves = ⌈tiles / SMs⌉
+    gemm(M, N, K) = 0.8 · max over tiles of [tile_eff · M·N / (waves·SMs·tm·tn)] · K / (K + 128)
+
+with the tiles (128 x 256, 1.0), (128 x 128, 0.9) and (64 x 128, 0.7) (a heuristic
+picks the best), 0.8 what large BF16 GEMMs reach of an H100's or H200's dense peak, and
+K / (K + 128) the main loop's prologue and epilogue (pipeline fill and the output's
+store, about two k-blocks of 64). The guide gives the mechanisms and the ranking of
+tiles; these numbers are estimates of this model. One tile more than the SMs takes two
+waves: about half the rate of exactly one. The curve has no split-K: a GEMM of a few
+rows is charged a whole wave of tiles over its K, which can exceed its weights' read.
+
+A request extends e tokens after a cached prefix of p; its j-th new token attends the
+p + j + 1 positions up to itself, which sums to pairs = e·(p + (e + 1)/2) query-key
+pairs, each 2·d FLOPs for QKᵀ and 2·d for PV per head; the attention reads the q rows,
+rows = p + e rows of KV and writes its output. A sliding-window layer of window W
+attends min(p + j + 1, W) positions and reads the KV from max(0, p - W + 1) on
+(rows = min(p, W - 1) + e). A model whose shape names sliding layers (gpt-oss: window 128
+on every even layer) is charged the windowed attention on those layers and the full one
+elsewhere. gpt-oss's attention sinks add a learned logit per head to each softmax: a few
+elementwise ops on the attention scores, no GEMM and no KV read, so they cost nothing
+extra here.
 
 Tensor parallel over N GPUs (`tp`): each rank runs the layer of `ModelShape.shard(N)` (its
 heads, KV heads and MLP rows, every expert's 1/N of its I_e rows with the router whole, as
@@ -69,28 +110,36 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Large prefill GEMMs reach 60–80% of dense peak.
-GEMM_EFFICIENCY = 0.7
+# Large BF16 GEMMs reach about 75-80% of an H100's or H200's dense peak: the curve's top.
+PEAK_GEMM_EFFICIENCY = 0.8
+# Output tiles a GEMM heuristic picks among: rows, columns, and the fraction of the
+# largest tile's per-SM rate the tile reaches (smaller tiles reuse less of each load).
+GEMM_TILES = ((128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.7))
+# A GEMM's main-loop prologue and epilogue in units of K: pipeline fill and the output's
+# store, about two k-blocks of 64.
+K_RAMP = 128
+# Streaming multiprocessors of an H100 or H200 (SXM): one output tile each at a time.
+HOPPER_SMS = 132
 # Flash attention kernels run further from peak than GEMMs (softmax, masking, tiling).
 ATTENTION_EFFICIENCY = 0.5
 # Streaming kernels reach about 80% of the HBM spec bandwidth.
 MEMORY_EFFICIENCY = 0.8
 # Launch, ramp-up and tail of one kernel: a small kernel cannot finish faster.
 KERNEL_FLOOR_S = 3e-6
-# Llama layer: 2 norms, qkv, rope, attention, o_proj, gate_up, act, down, residual add.
+# A dense layer's kernels (`layer_kernels`): input norm, qkv, rope, KV write, attention,
+# o_proj, post-attention norm, gate_up, act, down.
 KERNELS_PER_LAYER = 10
-# An MoE MLP adds the router GEMM, softmax/top-k, the sort by expert, the group offsets,
-# the gather of routed rows, their scaling and the add back to their tokens.
-KERNELS_PER_MOE_LAYER = KERNELS_PER_LAYER + 7
-# Final norm, gather of the last positions, LM head GEMM.
+# An MoE MLP replaces gate_up, act and down by the router, top-k, the sort by expert, the
+# group offsets, the gather of routed rows, grouped gate_up, act, grouped down, the
+# scaling by route weight and the sum back to the tokens.
+KERNELS_PER_MOE_LAYER = KERNELS_PER_LAYER - 3 + 10
+# Gather of the last positions, final norm, LM head GEMM.
 KERNELS_PER_HEAD = 3
-# Fused norm/add kernels read and write the residual stream about ten times per layer.
-HIDDEN_PASSES = 10
-# gate_up writes 2·I, act reads 2·I and writes I, down reads I.
-INTERMEDIATE_PASSES = 6
-# A routed row: gathered (written), read by gate_up, written by down, read by the add.
-ROUTED_HIDDEN_PASSES = 4
+# A fused residual add + RMSNorm reads the residual and the hidden and writes both.
+NORM_PASSES = 4
 LOGIT_BYTES = 4  # logits are float32 for sampling
+INDEX_BYTES = 4  # an int32 expert id or row index
+ROUTE_WEIGHT_BYTES = 4  # a float32 route weight
 # NCCL's ring collectives reach about 80% of the NVLink per-direction bandwidth.
 LINK_EFFICIENCY = 0.8
 # Launch and synchronisation of one collective across the group (small-message floor).
@@ -115,7 +164,7 @@ class GpuSpec:
     name: str
     flops: float  # dense BF16 tensor FLOP/s
     bandwidth: float  # HBM bytes/s
-    gemm_efficiency: float = GEMM_EFFICIENCY
+    peak_gemm_efficiency: float = PEAK_GEMM_EFFICIENCY  # a large GEMM's fraction of flops
     attention_efficiency: float = ATTENTION_EFFICIENCY
     memory_efficiency: float = MEMORY_EFFICIENCY
     kernel_floor_s: float = KERNEL_FLOOR_S
@@ -124,6 +173,7 @@ class GpuSpec:
     collective_latency_s: float = COLLECTIVE_LATENCY_S
     host_link_bandwidth: float = HOST_LINK_BANDWIDTH  # host <-> GPU bytes/s per direction
     host_link_efficiency: float = HOST_LINK_EFFICIENCY
+    num_sms: int = HOPPER_SMS  # streaming multiprocessors: GEMM tiles run one per SM
 
     def __post_init__(self):
         if self.flops <= 0 or self.bandwidth <= 0 or self.kernel_floor_s < 0:
@@ -134,13 +184,11 @@ class GpuSpec:
             raise ValueError(f"{self.name}: link efficiency must lie in (0, 1]")
         if self.host_link_bandwidth <= 0 or not 0 < self.host_link_efficiency <= 1:
             raise ValueError(f"{self.name}: host link bandwidth positive, efficiency in (0, 1]")
-        effs = (self.gemm_efficiency, self.attention_efficiency, self.memory_efficiency)
+        effs = (self.peak_gemm_efficiency, self.attention_efficiency, self.memory_efficiency)
         if not all(0 < e <= 1 for e in effs):
             raise ValueError(f"{self.name}: efficiencies must lie in (0, 1]")
-
-    @property
-    def gemm_flops(self) -> float:
-        return self.flops * self.gemm_efficiency
+        if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms < 1:
+            raise ValueError(f"{self.name}: num_sms must be a positive int")
 
     @property
     def attention_flops(self) -> float:
@@ -162,10 +210,11 @@ class GpuSpec:
 
 
 # NVLink 4 (H100, H200): 900 GB/s both ways per GPU; NVLink 5 (B200): 1.8 TB/s.
+# SMs: 132 on H100 and H200 SXM, 148 on B200.
 GPUS = {
     "h100": GpuSpec("h100", flops=989e12, bandwidth=3.35e12, link_bandwidth=450e9),
     "h200": GpuSpec("h200", flops=989e12, bandwidth=4.8e12, link_bandwidth=450e9),
-    "b200": GpuSpec("b200", flops=2250e12, bandwidth=8e12, link_bandwidth=900e9),
+    "b200": GpuSpec("b200", flops=2250e12, bandwidth=8e12, link_bandwidth=900e9, num_sms=148),
 }
 
 
@@ -463,6 +512,49 @@ def resolve_shape(spec: str) -> ModelShape:
     raise ValueError(f"unknown model {spec!r}: not a path; presets are {', '.join(PRESETS)}")
 
 
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of a layer or head on one rank: its work and the seconds it is charged."""
+
+    name: str
+    flops: float
+    bytes: float
+    seconds: float
+    bound: str  # what set `seconds`: "compute", "memory" or "floor"
+
+
+def layer_kernels(
+    shape: ModelShape,
+    gpu: GpuSpec,
+    extend_lens: Sequence[int],
+    prefix_lens: Sequence[int],
+    tp: int = 1,
+    window: int | None = None,
+    sparse: bool = False,
+) -> list[Kernel]:
+    """The kernels of one decoder layer over a ragged prefill batch (the module's tables) on
+    one of `tp` tensor-parallel GPUs; with `window`, a sliding-window layer's; with
+    `sparse`, a layer whose MLP is the mixture of experts."""
+    _check_batch(extend_lens, prefix_lens)
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be positive, got {window}")
+    if sparse and not shape.num_experts:
+        raise ValueError(f"{shape.name or 'model'} has no experts")
+    s = shape.shard(tp)
+    t, h, b = sum(extend_lens), s.hidden, s.dtype_bytes
+    q, kv = s.q_width, s.kv_width
+    kernels = [
+        _stream(gpu, "input_norm", NORM_PASSES * t * h * b),
+        _gemm(gpu, "qkv_proj", t, q + 2 * kv, h, b),
+        _stream(gpu, "rope", 2 * t * (q + kv) * b),
+        _stream(gpu, "kv_write", 2 * t * kv * b + t * s.kv_bytes_per_token),
+        _attention(s, gpu, extend_lens, prefix_lens, window),
+        _gemm(gpu, "o_proj", t, h, q, b),
+        _stream(gpu, "post_attention_norm", NORM_PASSES * t * h * b),
+    ]
+    return kernels + (_moe_kernels(s, gpu, t) if sparse else _mlp_kernels(s, gpu, t))
+
+
 def layer_parts_s(
     shape: ModelShape,
     gpu: GpuSpec,
@@ -472,41 +564,55 @@ def layer_parts_s(
     window: int | None = None,
     sparse: bool = False,
 ) -> tuple[float, float]:
-    """(compute, all-reduce) seconds of one decoder layer over a ragged prefill batch (see
-    the module tables) on one of `tp` tensor-parallel GPUs; with `window`, a sliding-window
-    layer's; with `sparse`, a layer whose MLP is the mixture of experts."""
-    _check_batch(extend_lens, prefix_lens)
-    if window is not None and window < 1:
-        raise ValueError(f"sliding window must be positive, got {window}")
-    if sparse and not shape.num_experts:
-        raise ValueError(f"{shape.name or 'model'} has no experts")
-    rank = shape.shard(tp)
-    tokens = sum(extend_lens)
-    kernels = KERNELS_PER_MOE_LAYER if sparse else KERNELS_PER_LAYER
-    if sparse:
-        busy = _projections_time_s(rank, gpu, tokens) + experts_time_s(rank, gpu, tokens)
-    else:
-        busy = _linear_time_s(rank, gpu, tokens)
-    busy += _attention_time_s(rank, gpu, extend_lens, prefix_lens, window)
-    compute = max(busy, kernels * gpu.kernel_floor_s)
+    """(compute, all-reduce) seconds of one decoder layer: the sum of `layer_kernels`, and
+    the two all-reduces of the T x hidden activations across the `tp` GPUs."""
+    kernels = layer_kernels(shape, gpu, extend_lens, prefix_lens, tp, window, sparse)
     activations = sum(extend_lens) * shape.hidden * shape.dtype_bytes
-    return compute, ALLREDUCES_PER_LAYER * allreduce_time_s(gpu, activations, tp)
+    allreduce = ALLREDUCES_PER_LAYER * allreduce_time_s(gpu, activations, tp)
+    return sum(k.seconds for k in kernels), allreduce
+
+
+def head_kernels(shape: ModelShape, gpu: GpuSpec, num_reqs: int, tp: int = 1) -> list[Kernel]:
+    """The kernels of the final norm and LM head on each request's last position, on one
+    of `tp` GPUs (each a vocabulary slice)."""
+    if num_reqs <= 0:
+        raise ValueError(f"num_reqs must be positive, got {num_reqs}")
+    s = shape.shard(tp)
+    rows = num_reqs * s.hidden * s.dtype_bytes
+    return [
+        _stream(gpu, "gather_last", 2 * rows),
+        _stream(gpu, "final_norm", 2 * rows),
+        _gemm(gpu, "lm_head", num_reqs, s.vocab, s.hidden, s.dtype_bytes, out_bytes=LOGIT_BYTES),
+    ]
 
 
 def head_parts_s(
     shape: ModelShape, gpu: GpuSpec, num_reqs: int, tp: int = 1
 ) -> tuple[float, float]:
-    """(compute, all-gather) seconds of the final norm and LM head on each request's last
-    position, on one of `tp` GPUs (each a vocabulary slice, then the logits' all-gather)."""
-    if num_reqs <= 0:
-        raise ValueError(f"num_reqs must be positive, got {num_reqs}")
-    rank = shape.shard(tp)
-    flops = 2 * num_reqs * rank.hidden * rank.vocab
-    weights = rank.vocab * rank.hidden * rank.dtype_bytes
-    nbytes = weights + num_reqs * rank.vocab * LOGIT_BYTES
-    busy = _part_time_s(flops, gpu.gemm_flops, nbytes, gpu.memory_bandwidth)
+    """(compute, all-gather) seconds of the head: the sum of `head_kernels`, then the
+    logits' all-gather across the `tp` GPUs."""
+    kernels = head_kernels(shape, gpu, num_reqs, tp)
     gather = allgather_time_s(gpu, num_reqs * shape.vocab * LOGIT_BYTES, tp)
-    return max(busy, KERNELS_PER_HEAD * gpu.kernel_floor_s), gather
+    return sum(k.seconds for k in kernels), gather
+
+
+def gemm_efficiency(
+    gpu: GpuSpec,
+    m: float,
+    n: int,
+    k: int,
+    groups: float = 1,
+    tiles: Sequence[tuple[int, int, float]] = GEMM_TILES,
+) -> float:
+    """Fraction of `gpu`'s dense peak an M x K by K x N GEMM reaches (the module's curve):
+    the best of `tiles` after tile and wave quantization, times the K ramp. `groups` GEMMs
+    of that shape launched together (a grouped GEMM's experts) share the waves."""
+    best = 0.0
+    for tm, tn, tile_eff in tiles:
+        count = groups * math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(count / gpu.num_sms)
+        best = max(best, tile_eff * groups * m * n / (waves * gpu.num_sms * tm * tn))
+    return gpu.peak_gemm_efficiency * best * k / (k + K_RAMP)
 
 
 def allreduce_time_s(gpu: GpuSpec, nbytes: float, tp: int) -> float:
@@ -546,20 +652,6 @@ def _check_batch(extend_lens: Sequence[int], prefix_lens: Sequence[int]) -> None
         raise ValueError("extend lengths must be positive and prefix lengths non-negative")
 
 
-def _linear_time_s(shape: ModelShape, gpu: GpuSpec, tokens: int) -> float:
-    flops = 2 * tokens * shape.params_per_layer
-    row = HIDDEN_PASSES * shape.hidden + INTERMEDIATE_PASSES * shape.intermediate
-    nbytes = shape.layer_weight_bytes + tokens * row * shape.dtype_bytes
-    return _part_time_s(flops, gpu.gemm_flops, nbytes, gpu.memory_bandwidth)
-
-
-def _projections_time_s(shape: ModelShape, gpu: GpuSpec, tokens: int) -> float:
-    """q, k, v and o of an MoE layer, with the layer's residual-stream passes."""
-    flops = 2 * tokens * shape.attention_params
-    nbytes = (shape.attention_params + tokens * HIDDEN_PASSES * shape.hidden) * shape.dtype_bytes
-    return _part_time_s(flops, gpu.gemm_flops, nbytes, gpu.memory_bandwidth)
-
-
 def experts_hit(num_experts: int, routings: int) -> float:
     """Expected distinct experts among `routings` uniform, independent picks of one of
     `num_experts`: E·(1 - (1 - 1/E)^routings)."""
@@ -567,36 +659,9 @@ def experts_hit(num_experts: int, routings: int) -> float:
 
 
 def experts_time_s(shape: ModelShape, gpu: GpuSpec, tokens: int) -> float:
-    """The router and the routed rows through their experts (the module's second table),
-    on `shape` as one rank holds it."""
-    routed = tokens * shape.experts_per_tok
-    router = shape.hidden * shape.num_experts
-    flops = 2 * tokens * router + 2 * routed * shape.expert_params
-    weights = router + experts_hit(shape.num_experts, routed) * shape.expert_params
-    row = ROUTED_HIDDEN_PASSES * shape.hidden + INTERMEDIATE_PASSES * shape.moe_intermediate
-    activations = tokens * shape.num_experts + routed * row
-    nbytes = (weights + activations) * shape.dtype_bytes
-    return _part_time_s(flops, gpu.gemm_flops, nbytes, gpu.memory_bandwidth)
-
-
-def _attention_time_s(
-    shape: ModelShape,
-    gpu: GpuSpec,
-    extend_lens: Sequence[int],
-    prefix_lens: Sequence[int],
-    window: int | None = None,
-) -> float:
-    both = list(zip(extend_lens, prefix_lens))
-    if window is None:
-        pairs = sum(e * (p + (e + 1) / 2) for e, p in both)
-        kv_rows = sum(p + 2 * e for e, p in both)
-    else:
-        pairs = sum(windowed_pairs(e, p, window) for e, p in both)
-        kv_rows = sum(min(p, window - 1) + 2 * e for e, p in both)
-    flops = 4 * shape.q_width * pairs
-    q_and_out = 2 * sum(extend_lens) * shape.q_width * shape.dtype_bytes
-    nbytes = kv_rows * shape.kv_bytes_per_token + q_and_out
-    return _part_time_s(flops, gpu.attention_flops, nbytes, gpu.memory_bandwidth)
+    """Seconds of a sparse layer's MLP kernels, router to the sum back to the tokens (the
+    module's second table), for `tokens` tokens on `shape` as one rank holds it."""
+    return sum(k.seconds for k in _moe_kernels(shape, gpu, tokens))
 
 
 def windowed_pairs(extend: int, prefix: int, window: int) -> int:
@@ -608,8 +673,83 @@ def windowed_pairs(extend: int, prefix: int, window: int) -> int:
     return below + (extend - uncapped) * window
 
 
-def _part_time_s(flops: float, flop_rate: float, nbytes: float, bandwidth: float) -> float:
-    return max(flops / flop_rate, nbytes / bandwidth)
+def _mlp_kernels(s: ModelShape, gpu: GpuSpec, t: int) -> list[Kernel]:
+    h, i, b = s.hidden, s.intermediate, s.dtype_bytes
+    return [
+        _gemm(gpu, "gate_up_proj", t, 2 * i, h, b),
+        _stream(gpu, "act", 3 * t * i * b),
+        _gemm(gpu, "down_proj", t, h, i, b),
+    ]
+
+
+def _moe_kernels(s: ModelShape, gpu: GpuSpec, t: int) -> list[Kernel]:
+    h, e, ie, b = s.hidden, s.num_experts, s.moe_intermediate, s.dtype_bytes
+    r = t * s.experts_per_tok  # routed rows
+    n = experts_hit(e, r)
+    return [
+        _gemm(gpu, "router", t, e, h, b),
+        _stream(gpu, "topk_softmax", t * e * b + r * (INDEX_BYTES + ROUTE_WEIGHT_BYTES)),
+        _stream(gpu, "sort_by_expert", 2 * r * INDEX_BYTES),
+        _stream(gpu, "expert_offsets", e * INDEX_BYTES),
+        _stream(gpu, "gather_rows", 2 * r * h * b),
+        _gemm(gpu, "experts_gate_up", r, 2 * ie, h, b, groups=n),
+        _stream(gpu, "experts_act", 3 * r * ie * b),
+        _gemm(gpu, "experts_down", r, h, ie, b, groups=n),
+        _stream(gpu, "scale_rows", 2 * r * h * b + r * ROUTE_WEIGHT_BYTES),
+        _stream(gpu, "sum_to_tokens", r * h * b + t * h * b),
+    ]
+
+
+def _attention(
+    s: ModelShape,
+    gpu: GpuSpec,
+    extend_lens: Sequence[int],
+    prefix_lens: Sequence[int],
+    window: int | None,
+) -> Kernel:
+    both = list(zip(extend_lens, prefix_lens))
+    if window is None:
+        pairs = sum(e * (p + (e + 1) / 2) for e, p in both)
+        kv_rows = sum(p + e for e, p in both)
+    else:
+        pairs = sum(windowed_pairs(e, p, window) for e, p in both)
+        kv_rows = sum(min(p, window - 1) + e for e, p in both)
+    q_and_out = 2 * sum(extend_lens) * s.q_width * s.dtype_bytes
+    nbytes = q_and_out + kv_rows * s.kv_bytes_per_token
+    return _kernel(gpu, "attention", 4 * s.q_width * pairs, gpu.attention_flops, nbytes)
+
+
+def _gemm(
+    gpu: GpuSpec,
+    name: str,
+    m: int,
+    n: int,
+    k: int,
+    b: int,
+    groups: float = 1,
+    out_bytes: int | None = None,
+) -> Kernel:
+    """`groups` GEMMs of m / groups rows each, N x K weights apiece, launched as one kernel:
+    its FLOPs, the weights, input and output bytes (output elements of `out_bytes`)."""
+    out = b if out_bytes is None else out_bytes
+    nbytes = groups * k * n * b + m * k * b + m * n * out
+    rate = gpu.flops * gemm_efficiency(gpu, m / groups, n, k, groups)
+    return _kernel(gpu, name, 2 * m * n * k, rate, nbytes)
+
+
+def _stream(gpu: GpuSpec, name: str, nbytes: float) -> Kernel:
+    """An elementwise, norm or copy kernel: its bytes only."""
+    return _kernel(gpu, name, 0, gpu.flops, nbytes)
+
+
+def _kernel(gpu: GpuSpec, name: str, flops: float, flop_rate: float, nbytes: float) -> Kernel:
+    times = {
+        "compute": flops / flop_rate,
+        "memory": nbytes / gpu.memory_bandwidth,
+        "floor": gpu.kernel_floor_s,
+    }
+    bound = max(times, key=times.__getitem__)  # ties: compute, then memory
+    return Kernel(name, flops, nbytes, times[bound], bound)
 
 
 class DeviceClock:

@@ -11,6 +11,7 @@ from mpprefill.worker.roofline import (
     GPUS,
     PRESETS,
     ModelShape,
+    layer_kernels,
     layer_parts_s,
     resolve_shape,
     windowed_pairs,
@@ -98,8 +99,9 @@ def test_shape_from_transformers_gpt_oss_config():
 
 
 def test_a_sliding_gpt_oss_layer_costs_the_windowed_attention():
-    """Only the attention differs between a sliding and a full gpt-oss layer: by hand,
-    4·H·d FLOPs per query-key pair and the KV rows read, each its roofline max."""
+    """Only the attention kernel differs between a sliding and a full gpt-oss layer: by
+    hand, 4·H·d FLOPs per query-key pair and the q, KV rows and output bytes, its roofline
+    max."""
     s = PRESETS["gpt-oss-20b"]
     gpu = GPUS["h200"]
     extend, prefix = [2048], [8192]
@@ -109,11 +111,17 @@ def test_a_sliding_gpt_oss_layer_costs_the_windowed_attention():
     def attention(pairs: float, kv_rows: int) -> float:
         flops = 4 * s.q_width * pairs
         nbytes = kv_rows * s.kv_bytes_per_token + q_and_out
-        return max(flops / gpu.attention_flops, nbytes / gpu.memory_bandwidth)
+        return max(flops / gpu.attention_flops, nbytes / gpu.memory_bandwidth, 3e-6)
 
-    full = attention(2048 * (8192 + 2049 / 2), 8192 + 2 * 2048)
-    windowed = attention(windowed_pairs(2048, 8192, w), w - 1 + 2 * 2048)
+    full = attention(2048 * (8192 + 2049 / 2), 8192 + 2048)
+    windowed = attention(windowed_pairs(2048, 8192, w), w - 1 + 2048)
     assert windowed_pairs(2048, 8192, w) == 2048 * w  # every query sees the whole window
+    by_kernel = zip(
+        layer_kernels(s, gpu, extend, prefix, window=w, sparse=True),
+        layer_kernels(s, gpu, extend, prefix, sparse=True),
+        strict=True,
+    )
+    assert [k.name for k, f in by_kernel if k != f] == ["attention"]
     sliding_layer = sum(layer_parts_s(s, gpu, extend, prefix, window=w, sparse=True))
     full_layer = sum(layer_parts_s(s, gpu, extend, prefix, sparse=True))
     assert full_layer - sliding_layer == pytest.approx(full - windowed)

@@ -1,5 +1,5 @@
-"""The roofline's mixture-of-experts layers on hand-computed numbers, the MoE presets, their
-shapes from config.json, and dense layers' times left as they were."""
+"""The roofline's mixture-of-experts layers on hand-computed bytes, the MoE presets and their
+shapes from config.json."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from mpprefill.config import EMULATE_MODELS
 from mpprefill.worker.roofline import (
     GPUS,
     KERNEL_FLOOR_S,
+    KERNELS_PER_LAYER,
     KERNELS_PER_MOE_LAYER,
     PRESETS,
     GpuSpec,
@@ -18,41 +19,41 @@ from mpprefill.worker.roofline import (
     allreduce_time_s,
     experts_hit,
     experts_time_s,
+    layer_kernels,
     layer_parts_s,
     resolve_shape,
 )
 
 H200 = GPUS["h200"]
-# Round rates, no efficiencies and no floor, so each part is FLOPs or bytes over a power of ten.
-MEMORY_BOUND = GpuSpec(
-    "unit",
-    flops=1e12,
-    bandwidth=1e9,
-    gemm_efficiency=1.0,
-    attention_efficiency=1.0,
-    memory_efficiency=1.0,
-    kernel_floor_s=0.0,
-)
-COMPUTE_BOUND = dataclasses.replace(MEMORY_BOUND, flops=1e9, bandwidth=1e12)
+# FLOPs so fast, and no floor, that every kernel takes its bytes over 1 GB/s.
+MEMORY_BOUND = GpuSpec("unit", flops=1e18, bandwidth=1e9, memory_efficiency=1.0, kernel_floor_s=0.0)
 # hidden 4, dense intermediate 8, 2 heads of 2 over 1 KV head, 1 byte per element;
 # 4 experts of 3 rows, top-2.
 TINY = ModelShape(2, 4, 8, 2, 1, 2, 16, dtype_bytes=1, kv_dtype_bytes=1)
 TINY_MOE = dataclasses.replace(TINY, num_experts=4, experts_per_tok=2, moe_intermediate=3)
 
-# By hand, T = 2 tokens (one request of 2 new tokens, no prefix), b = 1:
-#   routed rows T·k = 4; router 4·4 = 16 weights; one expert 3·4·3 = 36 weights
-#   experts hit n = 4·(1 - (3/4)^4) = 700/256 = 2.734375
-#   FLOPs = 2·2·16 + 2·4·36 = 64 + 288 = 352
-#   bytes = 16 + 2.734375·36 (weights) + 2·4 (router logits) + 4·(4·4 + 6·3) (rows)
-#         = 16 + 98.4375 + 8 + 136 = 258.4375
-EXPERT_FLOPS = 352
-EXPERT_BYTES = 258.4375
-#   q, k, v, o: 4·(2·4 + 2·2) = 48 weights; FLOPs 2·2·48 = 192; bytes 48 + 2·10·4 = 128
-#   attention: 2·(0 + 3/2) = 3 pairs, FLOPs 4·4·3 = 48; bytes 4 KV rows·4 + 2·2·4 = 32
-PROJ_BYTES = 128
-ATTN_BYTES = 32
-PROJ_FLOPS = 192
-ATTN_FLOPS = 48
+# By hand, T = 2 tokens (one request of 2 new tokens, no prefix), b = 1: R = T·k = 4
+# routed rows, experts hit n = 4·(1 - (3/4)^4) = 700/256 = 2.734375. The sparse MLP's bytes:
+N_HIT = 2.734375
+EXPERT_BYTES = {
+    "router": 4 * 4 + 2 * 4 + 2 * 4,  # weights, input, logits
+    "topk_softmax": 2 * 4 + 4 * 8,  # logits in, an id and a weight per routed row out
+    "sort_by_expert": 2 * 4 * 4,
+    "expert_offsets": 4 * 4,
+    "gather_rows": 2 * 4 * 4,
+    "experts_gate_up": N_HIT * 4 * 6 + 4 * 4 + 4 * 6,  # 105.625
+    "experts_act": 3 * 4 * 3,
+    "experts_down": N_HIT * 3 * 4 + 4 * 3 + 4 * 4,  # 60.8125
+    "scale_rows": 2 * 4 * 4 + 4 * 4,  # rows in and out, their float32 weights
+    "sum_to_tokens": 4 * 4 + 2 * 4,
+}
+EXPERTS = sum(EXPERT_BYTES.values())  # 426.4375
+# The layer up to the MLP (q 4, kv 2, kv_row 2·2 = 4): norm 4·2·4 = 32, qkv 4·8 + 2·4 +
+# 2·8 = 56, rope 2·2·6 = 24, KV write 2·2·2 + 2·4 = 16, attention 2·2·4 + 2 rows·4 = 24,
+# o_proj 4·4 + 2·4 + 2·4 = 32, norm 32.
+ATTN_BYTES = 216
+# A dense MLP: gate_up 4·16 + 2·4 + 2·16 = 104, act 3·2·8 = 48, down 8·4 + 2·8 + 2·4 = 56.
+MLP_BYTES = 208
 
 
 def test_experts_hit_is_the_expected_distinct_count():
@@ -64,25 +65,22 @@ def test_experts_hit_is_the_expected_distinct_count():
     assert experts_hit(8, 2) == pytest.approx(2 - 1 / 8)
 
 
-def test_experts_by_hand_memory_and_compute_bound():
-    assert experts_time_s(TINY_MOE, MEMORY_BOUND, 2) == pytest.approx(EXPERT_BYTES / 1e9)
-    assert experts_time_s(TINY_MOE, COMPUTE_BOUND, 2) == pytest.approx(EXPERT_FLOPS / 1e9)
+def test_experts_by_hand():
+    kernels = layer_kernels(TINY_MOE, MEMORY_BOUND, [2], [0], sparse=True)[KERNELS_PER_LAYER - 3 :]
+    assert {k.name: k.bytes for k in kernels} == pytest.approx(EXPERT_BYTES)
+    assert all(k.bound == "memory" for k in kernels)
+    assert experts_time_s(TINY_MOE, MEMORY_BOUND, 2) == pytest.approx(EXPERTS / 1e9)
 
 
 def test_an_moe_layer_by_hand():
     compute, allreduce = layer_parts_s(TINY_MOE, MEMORY_BOUND, [2], [0], sparse=True)
-    assert compute == pytest.approx((PROJ_BYTES + EXPERT_BYTES + ATTN_BYTES) / 1e9)
+    assert compute == pytest.approx((ATTN_BYTES + EXPERTS) / 1e9)
     assert allreduce == 0.0
-    compute, _ = layer_parts_s(TINY_MOE, COMPUTE_BOUND, [2], [0], sparse=True)
-    assert compute == pytest.approx((PROJ_FLOPS + EXPERT_FLOPS + ATTN_FLOPS) / 1e9)
 
 
 def test_a_dense_layer_by_hand_and_on_an_moe_shape():
-    # gate, up, down 3·4·8 = 96 more weights: P = 144; FLOPs 2·2·144 = 576;
-    # bytes 144 + 2·(10·4 + 6·8) = 320
     dense, _ = layer_parts_s(TINY, MEMORY_BOUND, [2], [0])
-    assert dense == pytest.approx((320 + ATTN_BYTES) / 1e9)
-    assert layer_parts_s(TINY, COMPUTE_BOUND, [2], [0])[0] == pytest.approx((576 + 48) / 1e9)
+    assert dense == pytest.approx((ATTN_BYTES + MLP_BYTES) / 1e9)
     # The experts fields change nothing on a layer that is not sparse.
     assert layer_parts_s(TINY_MOE, MEMORY_BOUND, [2], [0]) == layer_parts_s(
         TINY, MEMORY_BOUND, [2], [0]
@@ -98,29 +96,35 @@ def test_tp_shards_each_experts_rows():
     six = dataclasses.replace(TINY_MOE, moe_intermediate=6)
     rank = six.shard(2)
     assert (rank.moe_intermediate, rank.num_experts, rank.hidden) == (3, 4, 4)
-    assert experts_time_s(rank, MEMORY_BOUND, 2) == pytest.approx(EXPERT_BYTES / 1e9)
+    assert experts_time_s(rank, MEMORY_BOUND, 2) == pytest.approx(EXPERTS / 1e9)
     compute, allreduce = layer_parts_s(six, MEMORY_BOUND, [2], [0], tp=2, sparse=True)
-    # the rank's q, k, v, o: 4·(2·2 + 2·2) = 32 weights, bytes 32 + 80 = 112;
-    # attention over 1 head: 4 KV rows·4 + 2·2·2 = 24 bytes
-    assert compute == pytest.approx((112 + EXPERT_BYTES + 24) / 1e9)
+    # the rank's 1 head (q 2, kv 2): norm 32, qkv 4·6 + 2·4 + 2·6 = 44, rope 2·2·4 = 16,
+    # KV write 16, attention 2·2·2 + 2·4 = 16, o_proj 2·4 + 2·2 + 2·4 = 20, norm 32
+    assert compute == pytest.approx((176 + EXPERTS) / 1e9)
     assert allreduce == 2 * allreduce_time_s(MEMORY_BOUND, 2 * 4, 2)
     with pytest.raises(ValueError, match="do not split over 2"):
         TINY_MOE.shard(2)  # 3 rows per expert
 
 
 def test_a_tiny_moe_layer_pays_its_kernels_floor():
-    floor = KERNELS_PER_MOE_LAYER * KERNEL_FLOOR_S
-    got = layer_parts_s(PRESETS["Qwen3-30B-A3B"], H200, [1], [0], sparse=True)[0]
-    assert got == floor
+    """One token of Qwen3-30B-A3B: 17 kernels, each at least the floor; the routing
+    bookkeeping and the elementwise kernels are nothing but the floor."""
+    kernels = layer_kernels(PRESETS["Qwen3-30B-A3B"], H200, [1], [0], sparse=True)
+    assert len(kernels) == KERNELS_PER_MOE_LAYER
+    assert all(k.seconds >= KERNEL_FLOOR_S for k in kernels)
+    small = ("topk_softmax", "sort_by_expert", "expert_offsets", "gather_rows", "experts_act")
+    assert all(k.bound == "floor" for k in kernels if k.name in small)
 
 
 def test_only_the_hit_experts_weights_are_read():
-    """One token of Mixtral reads about 2 of its 8 experts; a prefill chunk reads all 8,
-    and its layer then costs about twice a Llama-3.1-8B layer's MLP FLOPs."""
+    """One token of Mixtral reads about 2 of its 8 experts through the grouped GEMMs; a
+    prefill chunk reads all 8, and its layer then costs well more than a dense one's."""
     mixtral = PRESETS["Mixtral-8x7B"]
-    one = experts_time_s(mixtral, H200, 1)
+    kernels = layer_kernels(mixtral, H200, [1], [0], sparse=True)
+    grouped = [k for k in kernels if k.name in ("experts_gate_up", "experts_down")]
+    assert {k.bound for k in grouped} == {"memory"}
     expert_s = mixtral.expert_params * mixtral.dtype_bytes / H200.memory_bandwidth
-    assert one == pytest.approx(experts_hit(8, 2) * expert_s, rel=0.01)
+    assert sum(k.seconds for k in grouped) == pytest.approx(experts_hit(8, 2) * expert_s, rel=0.01)
     chunk = sum(layer_parts_s(mixtral, H200, [8192], [0], sparse=True))
     dense = sum(layer_parts_s(mixtral, H200, [8192], [0]))
     assert 1.4 * dense < chunk < 2 * dense

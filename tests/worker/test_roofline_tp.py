@@ -48,8 +48,9 @@ def test_tp_layer_is_its_shard_plus_two_allreduces():
     assert comm1 == 0.0
     for tp in (2, 4, 8):
         compute, comm = layer_parts_s(LLAMA_70B, H200, extend, prefix, tp)
-        # A compute-bound 8k batch: each GPU does about 1/tp of the work.
-        assert compute == pytest.approx(compute1 / tp, rel=0.05)
+        # A compute-bound 8k batch: each GPU does about 1/tp of the work, its narrower
+        # GEMMs a little less efficiently.
+        assert compute1 / tp < compute < 1.15 * compute1 / tp
         assert comm == pytest.approx(2 * allreduce_time_s(H200, 8192 * 8192 * 2, tp))
     # One token: the launch floor stays, so the collectives do not pay off.
     small = sum(layer_parts_s(LLAMA_70B, H200, [1], [0], 8))
