@@ -74,8 +74,18 @@ picks the best), 0.8 what large BF16 GEMMs reach of an H100's or H200's dense pe
 K / (K + 128) the main loop's prologue and epilogue (pipeline fill and the output's
 store, about two k-blocks of 64). The guide gives the mechanisms and the ranking of
 tiles; these numbers are estimates of this model. One tile more than the SMs takes two
-waves: about half the rate of exactly one. The curve has no split-K: a GEMM of a few
-rows is charged a whole wave of tiles over its K, which can exceed its weights' read.
+waves: about half the rate of exactly one.
+
+Split-K. A GEMM whose tiles leave most SMs idle (few rows, or a narrow N) is cut along K
+into s slices (s in 1, 2, 4, 8; each slice at least 256 deep), so s times the tiles share
+the waves and each runs K/s of the main loop:
+
+    waves_s = ⌈s·tiles / SMs⌉,  gemm_s = 0.8 · tile_eff · M·N·K / (waves_s·SMs·tm·tn·(K/s + 128))
+
+(gemm_1 is the curve above), at the price of the slices' float32 partial sums, written
+and read once more (2·s·M·N·4 bytes on top of the kernel's). The kernel takes the split
+with the least time. Without it a one-row GEMM was charged a whole wave of tiles over its
+K, well beyond its weights' read; cuBLAS and CUTLASS split K (or stream K) for these.
 
 A request extends e tokens after a cached prefix of p; its j-th new token attends the
 p + j + 1 positions up to itself, which sums to pairs = e·(p + (e + 1)/2) query-key
@@ -118,6 +128,11 @@ GEMM_TILES = ((128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.7))
 # A GEMM's main-loop prologue and epilogue in units of K: pipeline fill and the output's
 # store, about two k-blocks of 64.
 K_RAMP = 128
+# Split-K: the slice counts a GEMM may be cut into along K, each slice at least this deep.
+SPLIT_K = (1, 2, 4, 8)
+MIN_SPLIT_DEPTH = 256
+# Partial sums of a split GEMM are float32.
+PARTIAL_BYTES = 4
 # Streaming multiprocessors of an H100 or H200 (SXM): one output tile each at a time.
 HOPPER_SMS = 132
 # Flash attention kernels run further from peak than GEMMs (softmax, masking, tiling).
@@ -603,16 +618,21 @@ def gemm_efficiency(
     k: int,
     groups: float = 1,
     tiles: Sequence[tuple[int, int, float]] = GEMM_TILES,
+    split: int = 1,
 ) -> float:
     """Fraction of `gpu`'s dense peak an M x K by K x N GEMM reaches (the module's curve):
     the best of `tiles` after tile and wave quantization, times the K ramp. `groups` GEMMs
-    of that shape launched together (a grouped GEMM's experts) share the waves."""
+    of that shape launched together (a grouped GEMM's experts) share the waves; `split`
+    cuts K into that many slices, each a tile's work of its own."""
+    if split < 1:
+        raise ValueError(f"split-K must be at least 1, got {split}")
     best = 0.0
     for tm, tn, tile_eff in tiles:
-        count = groups * math.ceil(m / tm) * math.ceil(n / tn)
+        count = split * groups * math.ceil(m / tm) * math.ceil(n / tn)
         waves = math.ceil(count / gpu.num_sms)
-        best = max(best, tile_eff * groups * m * n / (waves * gpu.num_sms * tm * tn))
-    return gpu.peak_gemm_efficiency * best * k / (k + K_RAMP)
+        used = split * groups * m * n / (waves * gpu.num_sms * tm * tn)  # of the waves' tiles
+        best = max(best, tile_eff * used)
+    return gpu.peak_gemm_efficiency * best * k / (k + split * K_RAMP)
 
 
 def allreduce_time_s(gpu: GpuSpec, nbytes: float, tp: int) -> float:
@@ -733,8 +753,16 @@ def _gemm(
     its FLOPs, the weights, input and output bytes (output elements of `out_bytes`)."""
     out = b if out_bytes is None else out_bytes
     nbytes = groups * k * n * b + m * k * b + m * n * out
-    rate = gpu.flops * gemm_efficiency(gpu, m / groups, n, k, groups)
-    return _kernel(gpu, name, 2 * m * n * k, rate, nbytes)
+    best = None
+    for split in SPLIT_K:
+        if split > 1 and k < split * MIN_SPLIT_DEPTH:
+            break
+        rate = gpu.flops * gemm_efficiency(gpu, m / groups, n, k, groups, split=split)
+        partials = 2 * split * m * n * PARTIAL_BYTES if split > 1 else 0
+        kernel = _kernel(gpu, name, 2 * m * n * k, rate, nbytes + partials)
+        if best is None or kernel.seconds < best.seconds:
+            best = kernel
+    return best
 
 
 def _stream(gpu: GpuSpec, name: str, nbytes: float) -> Kernel:

@@ -257,15 +257,31 @@ def test_grouped_gemms_share_the_waves():
     assert gemm_efficiency(UNIT, 128, 256, 128) == pytest.approx(0.7 * 0.5)
 
 
-def test_a_gemm_of_one_row_is_charged_a_wave_of_the_smallest_tile():
-    """No split-K: Qwen2.5-0.5B's down_proj for one token (1 x 896 x 4864) runs 7 tiles of
-    64x128, one wave, each over all of K: 2·64·128·(K + 128) FLOPs per SM at 0.8·0.7 of
-    an SM's share of peak, several times its weights' read."""
-    down = layer_kernels(PRESETS["Qwen2.5-0.5B"], GPUS["h200"], [1], [0])[-1]
-    assert down.bound == "compute"
-    per_sm = 989e12 / 132 * 0.8 * 0.7
-    assert down.seconds == pytest.approx(2 * 64 * 128 * (4864 + 128) / per_sm)
-    assert down.seconds > 5 * down.bytes / GPUS["h200"].memory_bandwidth
+def test_split_k_fills_idle_sms_with_slices_of_k():
+    """One 128x256 tile on 4 SMs: cut into 4 slices of K/4, the 4 tiles fill the wave, and
+    each slice pays the ramp on K/4 = 256: 4 x 1/4 of the SMs used, times 256/384."""
+    assert gemm_efficiency(UNIT, 128, 256, 1024, tiles=BIG_TILE) == pytest.approx(
+        0.25 * 1024 / 1152
+    )
+    assert gemm_efficiency(UNIT, 128, 256, 1024, tiles=BIG_TILE, split=4) == pytest.approx(
+        256 / 384
+    )
+
+
+def test_a_gemm_of_one_row_is_charged_its_weights_read_not_a_wave():
+    """Qwen2.5-0.5B's down_proj for one token (1 x 896 x 4864): split 8 ways along K (slices
+    of 608), its 7 tiles of 64x128 make 56, one wave, so it is bound by its weights' read
+    and the partial sums (or the floor), not by a wave of tiles over all of K."""
+    gpu = GPUS["h200"]
+    down = layer_kernels(PRESETS["Qwen2.5-0.5B"], gpu, [1], [0])[-1]
+    weights = 896 * 4864 * 2
+    partials = 2 * 8 * 896 * 4
+    read = (weights + 4864 * 2 + 896 * 2 + partials) / gpu.memory_bandwidth
+    eff = 0.8 * 0.7 * 8 * 896 / (132 * 64 * 128) * 608 / (608 + 128)
+    compute = 2 * 896 * 4864 / (989e12 * eff)
+    assert down.seconds == pytest.approx(max(read, compute, gpu.kernel_floor_s))
+    unsplit = 2 * 64 * 128 * (4864 + 128) / (989e12 / 132 * 0.8 * 0.7)
+    assert down.seconds < unsplit / 3
 
 
 def test_the_efficiency_never_exceeds_the_peak():
