@@ -12,6 +12,9 @@ FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ah
 TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
 DEVICES = ("cpu", "cuda", "emulated")
 EMULATE_GPUS = ("h100", "h200", "b200")
+EMULATE_ISSUES = ("model", "free")  # the emulated forward's host issue: the stand-in's, or none
+MAX_LAUNCH_US = 1000.0  # a launch of a millisecond is a stall, not a driver's cost
+MAX_SWITCH_INTERVAL_MS = 1000.0
 # presets; or a config.json
 EMULATE_MODELS = (
     "Qwen2.5-0.5B",
@@ -105,6 +108,24 @@ class ServerArgs:
         "h200",
         "with --device emulated: the GPU whose roofline sets the device time",
         choices=EMULATE_GPUS,
+    )
+    emulate_launch_us: float = _f(
+        0.0,
+        "with --device emulated: driver time of one kernel launch in microseconds, spent per"
+        " layer for the roofline's kernels with the GIL released, as a real launch's is (0: the"
+        " host stand-in's own calls only)",
+    )
+    emulate_issue: str = _f(
+        "model",
+        "with --device emulated: 'model' issues every layer of the host stand-in; 'free' runs"
+        " only its embedding and head, so the forward's host issue costs next to nothing (a"
+        " control: the device and the scheduler act alone)",
+        choices=EMULATE_ISSUES,
+    )
+    switch_interval_ms: float = _f(
+        5.0,
+        "the GIL's switch interval (sys.setswitchinterval) in the scheduler and forward"
+        " processes alike, threads included; Python's default is 5 ms",
     )
     staging: str = _f(
         "pinned",
@@ -208,6 +229,12 @@ class ServerArgs:
             raise ValueError(f"--device: one of {DEVICES}, got {self.device!r}")
         if self.emulate_gpu not in EMULATE_GPUS:
             raise ValueError(f"--emulate-gpu: one of {EMULATE_GPUS}")
+        if self.emulate_issue not in EMULATE_ISSUES:
+            raise ValueError(f"--emulate-issue: one of {EMULATE_ISSUES}")
+        if not 0 <= self.emulate_launch_us <= MAX_LAUNCH_US:
+            raise ValueError(f"--emulate-launch-us must be in [0, {MAX_LAUNCH_US}]")
+        if not 0 < self.switch_interval_ms <= MAX_SWITCH_INTERVAL_MS:
+            raise ValueError(f"--switch-interval-ms must be in (0, {MAX_SWITCH_INTERVAL_MS}]")
         for name, value, allowed in (
             ("dtype", self.dtype, DTYPES),
             ("kv-cache-dtype", self.kv_cache_dtype, DTYPES),

@@ -42,7 +42,10 @@ _SERVE_VALUES = (
     "swa_full_tokens_ratio",
     "context_length",
     "tp_size",
+    "switch_interval_ms",
+    "attention_backend",
 )
+_EMULATED_VALUES = ("emulate_model", "emulate_gpu", "emulate_launch_us", "emulate_issue")
 _SERVE_SWITCHES = (
     "delay_sampling",
     "disable_batched_writeback",
@@ -67,7 +70,7 @@ class BenchConfig:
         flags += _values(a, *_SERVE_VALUES)
         flags += _switches(a, *_SERVE_SWITCHES)
         if a.device == "emulated":
-            flags += ["--emulate-model", a.emulate_model, "--emulate-gpu", a.emulate_gpu]
+            flags += _values(a, *_EMULATED_VALUES)
         if a.host_store_size:
             flags += ["--host-store-size", a.host_store_size]
         if record:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 
 import zmq
@@ -360,4 +361,7 @@ def _make_transfer(args: ServerArgs, worker):
 
 
 def run_serve(args: ServerArgs) -> int:
+    # NOTE: one interval for the scheduler's threads (a forward thread's modes) and, through
+    # its args, the forward process's, so no mode runs on a GIL tuned for it alone.
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     return PrefillServer(args).serve_forever()

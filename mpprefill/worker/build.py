@@ -90,7 +90,8 @@ def emulated_device(args: ServerArgs) -> EmulatedDevice | None:
     """The accelerator's clock for --device emulated, else None."""
     if args.device != "emulated":
         return None
-    return EmulatedDevice(emulated_shape(args), args.emulate_gpu, args.tp_size)
+    shape, gpu, tp = emulated_shape(args), args.emulate_gpu, args.tp_size
+    return EmulatedDevice(shape, gpu, tp, args.emulate_launch_us, args.emulate_issue)
 
 
 def emulated_host_link(args: ServerArgs) -> EmulatedHostLink | None:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +46,9 @@ from mpprefill.model import CausalLM, ForwardBatch, ModelConfig, build_model
 from mpprefill.worker.device import HostStream
 from mpprefill.worker.roofline import (
     GPUS,
+    KERNELS_PER_HEAD,
+    KERNELS_PER_LAYER,
+    KERNELS_PER_MOE_LAYER,
     DeviceClock,
     ModelShape,
     head_parts_s,
@@ -52,6 +57,7 @@ from mpprefill.worker.roofline import (
     resolve_shape,
 )
 
+logger = logging.getLogger(__name__)
 # New tokens per request the host computes. One, so that a request's first token does not
 # depend on how many of its last tokens its last chunk holds (a prefix hit may leave it 1).
 KEEP_TOKENS = 1
@@ -125,17 +131,107 @@ def shrink(fb: ForwardBatch, keep: int = KEEP_TOKENS) -> ForwardBatch:
     return small
 
 
+class LaunchCost:
+    """The driver time of kernel launches (`--emulate-launch-us`), spent where the host
+    stand-in issues each layer: one lump of (kernels x cost) of CPU work inside a torch op,
+    so with the GIL released, as a launch inside a torch op's dispatch is. It is CPU work,
+    not a sleep: a sleep's wake-up on a loaded host adds tens of microseconds, while a
+    driver keeps its core.
+
+    The work is Hurwitz's zeta over a small float32 buffer on the calling thread: some 90 ns
+    of arithmetic an element here, so a lump of 50 us touches a few KiB and leaves the
+    caches to the forward (a streaming op of that length evicted the stand-in's tensors and
+    slowed the layer after it). Its length comes from the op's cost on that thread,
+    t(n) = a + b·n: a and b first from the medians of CALIBRATION_RUNS calls at n = 0 and
+    n = CALIBRATION_LEN, then b follows what each lump took of the thread's CPU time. CPU
+    time, not wall time: a thread that waits for the GIL after the op (a forward thread
+    beside the scheduler) is not charged less work for it. A lump shorter than a costs a
+    (about 3 us here, under the 20 us of 10 launches of 2 us). `asked_s` and `spent_s`
+    (the lumps' CPU time) say where the cost landed."""
+
+    CALIBRATION_RUNS = 32
+    CALIBRATION_LEN = 1 << 10
+    MAX_LEN = 1 << 16  # some 6 ms of launches in one lump
+    SMOOTHING = 0.1  # weight of the newest lump in the per-element cost
+
+    def __init__(self, per_kernel_us: float):
+        if per_kernel_us < 0:
+            raise ValueError(f"launch cost must not be negative, got {per_kernel_us}")
+        self.per_kernel_s = per_kernel_us * 1e-6
+        self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._fixed_s = 0.0  # a
+        self._per_elem_s = 0.0  # b
+        self.asked_s = 0.0
+        self.spent_s = 0.0
+
+    def spend(self, kernels: int) -> None:
+        if self.per_kernel_s <= 0 or kernels <= 0:
+            return
+        if self._buffers is None:
+            self._calibrate()
+        want = kernels * self.per_kernel_s
+        n = min(self.MAX_LEN, max(0, round((want - self._fixed_s) / self._per_elem_s)))
+        x, q, out = self._buffers
+        start = time.thread_time()
+        torch.special.zeta(x[:n], q[:n], out=out[:n])
+        took = time.thread_time() - start
+        if n:
+            seen = max(took - self._fixed_s, 0.0) / n
+            self._per_elem_s += self.SMOOTHING * (max(seen, 1e-12) - self._per_elem_s)
+        self.spent_s += took
+        self.asked_s += want
+
+    def landed(self) -> float | None:
+        """The lumps' CPU time over what was asked (None before any)."""
+        return self.spent_s / self.asked_s if self.asked_s else None
+
+    def _calibrate(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.rand(self.MAX_LEN, generator=gen) + 1.5  # zeta(x, q) converges for x > 1
+        self._buffers = (x, torch.rand(self.MAX_LEN, generator=gen) + 1, torch.empty_like(x))
+        zero = self._median_s(0)
+        full = self._median_s(self.CALIBRATION_LEN)
+        self._fixed_s = zero
+        self._per_elem_s = max(full - zero, 1e-9) / self.CALIBRATION_LEN
+
+    def _median_s(self, n: int) -> float:
+        x, q, out = self._buffers
+        took = []
+        for _ in range(self.CALIBRATION_RUNS):
+            start = time.thread_time()
+            torch.special.zeta(x[:n], q[:n], out=out[:n])
+            took.append(time.thread_time() - start)
+        return statistics.median(took)
+
+
 class EmulatedDevice:
     """Charges each forward's roofline time on a device clock. At `tp_size` > 1 the clock
-    is one GPU of a tensor-parallel group: its shard's roofline plus the collectives."""
+    is one GPU of a tensor-parallel group: its shard's roofline plus the collectives.
 
-    def __init__(self, shape: ModelShape, gpu: str, tp_size: int = 1):
+    `launch_us`: each kernel's launch costs the host that much (`LaunchCost`), charged per
+    layer for the roofline's kernels of that layer and for the head's. `issue`: "model"
+    runs every layer of the host stand-in; "free" only its embedding and head (the logits
+    stay a function of the last token), and the layers' device time is charged at once."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        gpu: str,
+        tp_size: int = 1,
+        launch_us: float = 0.0,
+        issue: str = "model",
+    ):
         shape.shard(tp_size)  # raises unless the shape splits over the group
+        if issue not in ("model", "free"):
+            raise ValueError(f"issue must be 'model' or 'free', got {issue!r}")
         self.shape = shape
         self.gpu = GPUS[gpu]
         self.tp_size = tp_size
         self.clock = DeviceClock()
+        self.launch = LaunchCost(launch_us)
+        self.issue = issue
         self._last = (0, 0, 0.0, 0.0)
+        self._forwards = 0
 
     @classmethod
     def of(cls, emulate_model: str, gpu: str, tp_size: int = 1) -> EmulatedDevice:
@@ -154,13 +250,28 @@ class EmulatedDevice:
         first: list[float] = []
 
         def on_layer(i: int) -> None:
+            self.launch.spend(KERNELS_PER_MOE_LAYER if kinds[i][1] else KERNELS_PER_LAYER)
             layer_s = sum(layers[i])
             end = self.clock.issue(layer_s)
             if not first:
                 first.append(end - layer_s)
 
-        model.rotary.reserve(fb.max_seq_len)  # the kept tokens keep their positions
-        logits = model(shrink(fb), kv, on_layer)
+        if self.issue == "free":
+            logits = _head_only(model, shrink(fb))
+            for i in range(n):
+                on_layer(i)
+        else:
+            model.rotary.reserve(fb.max_seq_len)  # the kept tokens keep their positions
+            logits = model(shrink(fb), kv, on_layer)
+        self.launch.spend(KERNELS_PER_HEAD)
+        self._forwards += 1
+        if self._forwards & (self._forwards - 1) == 0 and self.launch.landed() is not None:
+            logger.info(
+                "launch cost after %d forwards: %.2f us a kernel asked, %.2f us spent",
+                self._forwards,
+                self.launch.per_kernel_s * 1e6,
+                self.launch.per_kernel_s * 1e6 * self.launch.landed(),
+            )
         end = self.clock.issue(head_s)
         start = first[0] if first else end - head_s
         busy = sum(c + a for c, a in layers) + head_s
@@ -188,6 +299,13 @@ class EmulatedDevice:
         (less than end - start where the host issued layers slower than they ran) and the
         part of them in collectives (0 at `tp_size` 1)."""
         return self._last
+
+
+@torch.inference_mode()
+def _head_only(model: CausalLM, fb: ForwardBatch) -> torch.Tensor:
+    """Logits of the stand-in's embedding, final norm and head at each kept token (one a
+    request: `shrink`'s), skipping its layers."""
+    return model.output(model.norm(model.tok_embeddings(fb.input_ids))).float()
 
 
 class EmulatedHostLink:

@@ -57,7 +57,6 @@ from mpprefill.worker.staging import pin_segments, read_slot
 
 logger = logging.getLogger("mpprefill.worker")
 NUM_RESULT_SLOTS = 2
-SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,10 +227,7 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
         sys.exit(1)
     args = ServerArgs(**setup.args)
     set_torch_threads(forward_threads(args))
-    # NOTE: the receiving and sending threads wait for the GIL while the forward thread
-    # issues; at the default 5 ms a request that arrived mid-forward is often still unread
-    # when the forward ends, and the device waits for it.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)  # as in the scheduler's process
     if args.trace_dir:
         set_tracer(Tracer("worker", enabled=True))
     profiling.serve_control()  # /start_profile and /stop_profile reach this process there

@@ -58,3 +58,49 @@ def test_the_median_run_carries_every_trial_under_the_contracts_name():
     run = _median_run(trials)
     assert run["uncached_itps"] == 200.0
     assert run["trials"] == run["uncached_itps_trials"] == [300.0, 100.0, 200.0]
+
+
+def test_each_run_gets_the_gil_interval_and_the_emulated_host_knobs():
+    """The bench's serve command lines carry the switch interval, the attention backend
+    and, on the emulated device, its launch cost and issue control."""
+    from mpprefill.bench.runner import BenchConfig
+    from mpprefill.config import ServerArgs
+
+    server = ServerArgs(
+        device="emulated",
+        emulate_model="Llama-3.1-8B",
+        emulate_launch_us=7.5,
+        emulate_issue="free",
+        switch_interval_ms=0.5,
+    )
+    flags = BenchConfig(server, ["proc-ahead"]).server_flags("proc-ahead", None)
+    pairs = dict(zip(flags, flags[1:]))
+    assert pairs["--switch-interval-ms"] == "0.5"
+    assert pairs["--emulate-launch-us"] == "7.5" and pairs["--emulate-issue"] == "free"
+    assert pairs["--emulate-model"] == "Llama-3.1-8B" and pairs["--attention-backend"] == "auto"
+    cpu = BenchConfig(ServerArgs(), ["proc"]).server_flags("proc", None)
+    assert "--emulate-launch-us" not in cpu and "--switch-interval-ms" in cpu
+
+
+def test_serve_sets_the_switch_interval_before_it_serves(monkeypatch):
+    import sys
+
+    from mpprefill.config import ServerArgs
+    from mpprefill.server import server as srv
+
+    seen = []
+
+    class Stub:
+        def __init__(self, args):
+            seen.append(("built", sys.getswitchinterval()))
+
+        def serve_forever(self):
+            return 0
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr(srv, "PrefillServer", Stub)
+    try:
+        assert srv.run_serve(ServerArgs(switch_interval_ms=2.5)) == 0
+    finally:
+        sys.setswitchinterval(before)
+    assert seen == [("built", pytest.approx(0.0025))]
