@@ -73,9 +73,20 @@ def _bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--heatmap",
         default=None,
-        help="with --sweep --device emulated: write the proc-ahead / thread-ahead heat map"
-        " (PNG) here",
+        help="with --sweep --device emulated: write the proc-ahead / thread-ahead sensitivity"
+        " map (PNG) here, and proc-ahead / overlap beside it (_overlap before the suffix)",
     )
+    for name, what in (
+        ("models", "emulated models (presets or config.json paths)"),
+        ("chunks", "per-batch token budgets (chunked prefill size = max prefill tokens)"),
+        ("launch-us", "host launch costs, us per kernel (default: --emulate-launch-us)"),
+        ("switch-ms", "GIL switch intervals, ms (default: --switch-interval-ms)"),
+    ):
+        ap.add_argument(
+            f"--sweep-{name}",
+            default=None,
+            help=f"with --sweep --device emulated: comma-separated {what}",
+        )
     ap.add_argument(
         "--repeats",
         type=int,

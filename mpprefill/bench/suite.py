@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 import tempfile
 
-from mpprefill.bench.regime import of_bound, plot_regime_map
+from mpprefill.bench.regime import of_bound, plot_sensitivity_maps
 from mpprefill.bench.replay import forward_bound, load_shapes
 from mpprefill.bench.runner import BenchConfig, run_mode
 from mpprefill.bench.workload import Workload, solve_for_hit_rate
@@ -43,47 +44,102 @@ def make_workload(args: argparse.Namespace, page_size: int) -> Workload:
     )
 
 
-def run_bench(
-    args: argparse.Namespace, server: ServerArgs | None = None, label: str = "default"
-) -> dict:
-    server = server or server_args(args)
+@dataclasses.dataclass
+class _Point:
+    """One workload of a bench or sweep: its runs so far, trial by trial."""
+
+    label: str
+    args: argparse.Namespace
+    server: ServerArgs
+    modes: list[str]
+    work: Workload
+    cfg: BenchConfig
+    bound_mode: str
+    fronts: tuple[str, ...]
+    trials: dict[tuple[str, str], list[dict]]
+    bounds: list[dict] = dataclasses.field(default_factory=list)
+    host_op_us: list[float] = dataclasses.field(default_factory=list)  # a probe per round
+
+    @property
+    def record(self) -> str:
+        return os.path.join(self.cfg.log_dir, "batches.json")
+
+
+def _prepare(args: argparse.Namespace, server: ServerArgs, label: str) -> _Point:
     modes = parse_modes(args.modes)
     work = make_workload(args, server.page_size)
     cfg = BenchConfig(server, modes, trace_dir=args.trace_dir, verify=args.verify)
-    bound_mode = args.bound_mode if args.bound_mode in modes else modes[-1]
-    record = os.path.join(cfg.log_dir, "batches.json")
+    fronts = ("zmq", "http") if args.front == "http" else ("zmq",)
     print(
         f"[{label}] {len(work)} requests, {work.num_prompt_tokens} prompt tokens, hit rate "
         f"target {args.hit_rate:.2f} (workload's own {work.expected_hit_rate:.3f}); "
         f"logs in {cfg.log_dir}",
         file=sys.stderr,
     )
-    repeats = max(1, args.repeats)
-    fronts = ("zmq", "http") if args.front == "http" else ("zmq",)
-    trials: dict[tuple[str, str], list[dict]] = {(m, f): [] for m in modes for f in fronts}
-    bounds = []
-    for _ in range(repeats):  # modes interleaved, so drift in the machine hits all alike
-        for m in modes:
-            for f in fronts:
-                bound_run = m == bound_mode and f == "zmq"
-                run = run_mode(cfg, m, work, record if bound_run else None, front=f)
-                trials[m, f].append(run)
-                if bound_run:
-                    bounds.append(_bound(record, run, server))
-    runs = [_median_run(trials[m, "zmq"]) for m in modes]
-    bound = sorted(bounds, key=lambda b: b["itps"])[len(bounds) // 2]
+    return _Point(
+        label,
+        args,
+        server,
+        modes,
+        work,
+        cfg,
+        args.bound_mode if args.bound_mode in modes else modes[-1],
+        fronts,
+        {(m, f): [] for m in modes for f in fronts},
+    )
+
+
+def _run_round(pt: _Point) -> None:
+    """One trial of every mode (and front), in order, after a probe of the host's speed."""
+    pt.host_op_us.append(host_op_us())
+    for m in pt.modes:
+        for f in pt.fronts:
+            bound_run = m == pt.bound_mode and f == "zmq"
+            run = run_mode(pt.cfg, m, pt.work, pt.record if bound_run else None, front=f)
+            pt.trials[m, f].append(run)
+            if bound_run:
+                pt.bounds.append(_bound(pt.record, run, pt.server))
+
+
+def _finish(pt: _Point) -> dict:
+    runs = [_median_run(pt.trials[m, "zmq"]) for m in pt.modes]
+    bound = sorted(pt.bounds, key=lambda b: b["itps"])[len(pt.bounds) // 2]
     result = {
-        "label": label,
-        "config": _config(args, server, work, label),
+        "label": pt.label,
+        "config": _config(pt.args, pt.server, pt.work, pt.label)
+        | {"host_op_us": _spread(pt.host_op_us)},
         "forward_bound_itps": bound["itps"],
         "forward_bound": bound,
         "runs": runs,
     }
-    if "http" in fronts:
-        result["http_runs"] = [_median_run(trials[m, "http"]) for m in modes]
+    if "http" in pt.fronts:
+        result["http_runs"] = [_median_run(pt.trials[m, "http"]) for m in pt.modes]
         result["front_cost"] = front_cost(runs, result["http_runs"])
     print(format_table(result))
     return result
+
+
+def run_bench(
+    args: argparse.Namespace, server: ServerArgs | None = None, label: str = "default"
+) -> dict:
+    """Every mode `--repeats` times, the modes interleaved so that drift in the machine
+    hits all alike; each mode's median run."""
+    pt = _prepare(args, server or server_args(args), label)
+    for _ in range(max(1, args.repeats)):
+        _run_round(pt)
+    return _finish(pt)
+
+
+def _run_points(points: list[_Point], repeats: int) -> list[dict]:
+    """Trials interleaved across points as well as modes: round r runs every point's
+    modes once, so the points' medians span the same stretch of the machine's time."""
+    for r in range(repeats):
+        for i, pt in enumerate(points):
+            print(
+                f"round {r + 1}/{repeats}, point {i + 1}/{len(points)}: {pt.label}", file=sys.stderr
+            )
+            _run_round(pt)
+    return [_finish(pt) for pt in points]
 
 
 def front_cost(zmq_runs: list[dict], http_runs: list[dict]) -> list[dict]:
@@ -118,6 +174,34 @@ def _median_run(trials: list[dict]) -> dict:
 def _bound(record: str, run: dict, server: ServerArgs) -> dict:
     shapes = load_shapes(record)[run["warmup_batches"] :]
     return {**forward_bound(shapes, server), "replayed_mode": run["mode"]}
+
+
+# The probe: tiny torch ops, timed as the emulated forward's host stand-in issues them.
+PROBE_OPS = 2000
+PROBE_REPEATS = 5
+
+
+def host_op_us() -> float:
+    """Microseconds one tiny torch op takes from Python on this machine now (the median of
+    PROBE_REPEATS timings of PROBE_OPS adds of 32 floats): the unit of the emulated host
+    issue, so that figures taken on different days can be put side by side."""
+    import time
+
+    import torch
+
+    a, b, out = torch.ones(32), torch.ones(32), torch.empty(32)
+    took = []
+    for _ in range(PROBE_REPEATS):
+        start = time.perf_counter()
+        for _ in range(PROBE_OPS):
+            torch.add(a, b, out=out)
+        took.append((time.perf_counter() - start) / PROBE_OPS * 1e6)
+    return sorted(took)[len(took) // 2]
+
+
+def _spread(values: list[float]) -> dict:
+    ordered = sorted(values)
+    return {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1]}
 
 
 def _config(args, server: ServerArgs, work: Workload, label: str) -> dict:
@@ -159,6 +243,12 @@ def format_table(result: dict) -> str:
         f"back to back): {bound:,.0f} uncached tokens/s; times are ms per batch, gap is the "
         "median hand-off gap"
     )
+    probe = result["config"].get("host_op_us")
+    if probe:
+        lines.append(
+            f"host speed: {probe['median']:.2f} us a tiny torch op from Python (probe before "
+            f"each round: {probe['min']:.2f}-{probe['max']:.2f})"
+        )
     lines += _collective_lines(result)
     for c in result.get("front_cost", []):
         lines.append(
@@ -223,47 +313,67 @@ SWEEP_POINTS = {
 }
 
 
-# The regime map on the emulated accelerator: model shapes x per-batch token budgets.
-EMULATED_MODELS = ("Qwen2.5-0.5B", "Llama-3.1-8B")
-EMULATED_CHUNKS = (512, 8192)
-BIG_CHUNK_REQUEST_SCALE = 2  # an 8k-token budget takes ~40 requests a batch
+# The sensitivity map on the emulated accelerator: model shapes x per-batch token budgets x
+# host launch costs (x GIL switch intervals), by default.
+EMULATED_MODELS = ("Qwen2.5-0.5B", "Llama-3.1-8B", "Qwen3-30B-A3B")
+EMULATED_CHUNKS = (512, 4096, 16384)
+# Requests of a point: --num-requests, times one per 2,048 tokens of the budget, so each
+# point runs some tens of batches (~5 requests make 1,000 uncached tokens at hit rate 0.8).
+REQUEST_SCALE_TOKENS = 2048
 # The cache must hold every group's shared prompt and the suffixes in flight, or the hit
 # rate falls below the target at thousands of requests.
-EMULATED_POOL_TOKENS = 1 << 19
+EMULATED_POOL_TOKENS = 1 << 20
 
 
 def run_sweep(args: argparse.Namespace) -> dict:
     base = server_args(args)
     if base.device == "emulated":
-        points = [
-            _emulated_point(args, base, m, c) for m in EMULATED_MODELS for c in EMULATED_CHUNKS
-        ]
+        points = [_prepare(ns, server, label) for label, ns, server in _emulated_points(args, base)]
+        results = _run_points(points, max(1, args.repeats))
     else:
         model_dir = tempfile.mkdtemp(prefix="mpp-sweep-models-")
         points = [
             (label, *_sweep_point(args, base, label, point, model_dir))
             for label, point in SWEEP_POINTS.items()
         ]
-    results = [run_bench(ns, server, label=label) for label, ns, server in points]
+        results = [run_bench(ns, server, label=label) for label, ns, server in points]
     print(format_sweep(results))
     if args.heatmap and base.device == "emulated":
-        plot_regime_map(results, args.heatmap)
-        print(f"regime map: {args.heatmap}", file=sys.stderr)
+        written = plot_sensitivity_maps(results, args.heatmap)
+        print(f"sensitivity maps: {', '.join(written)}", file=sys.stderr)
     return {"points": results}
 
 
-def _emulated_point(args, base: ServerArgs, model: str, chunk: int):
-    ns = argparse.Namespace(**vars(args))
-    if chunk >= 4096:
-        ns.num_requests = args.num_requests * BIG_CHUNK_REQUEST_SCALE
-    server = dataclasses.replace(
-        base,
-        emulate_model=model,
-        chunked_prefill_size=chunk,
-        max_prefill_tokens=chunk,
-        max_total_tokens=max(base.max_total_tokens, EMULATED_POOL_TOKENS),
-    )
-    return f"{model}@{chunk}", ns, server
+def _list(text: str | None, cast, default: tuple) -> list:
+    if not text:
+        return list(default)
+    try:
+        return [cast(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"not a comma-separated list: {text!r} ({e})") from None
+
+
+def _emulated_points(args, base: ServerArgs) -> list[tuple[str, argparse.Namespace, ServerArgs]]:
+    models = _list(args.sweep_models, str, EMULATED_MODELS)
+    chunks = _list(args.sweep_chunks, int, EMULATED_CHUNKS)
+    launches = _list(args.sweep_launch_us, float, (base.emulate_launch_us,))
+    switches = _list(args.sweep_switch_ms, float, (base.switch_interval_ms,))
+    out = []
+    for model, chunk, launch, switch in itertools.product(models, chunks, launches, switches):
+        ns = argparse.Namespace(**vars(args))
+        ns.num_requests = args.num_requests * max(1, chunk // REQUEST_SCALE_TOKENS)
+        server = dataclasses.replace(
+            base,
+            emulate_model=model,
+            chunked_prefill_size=chunk,
+            max_prefill_tokens=chunk,
+            max_total_tokens=max(base.max_total_tokens, EMULATED_POOL_TOKENS),
+            emulate_launch_us=launch,
+            switch_interval_ms=switch,
+        )
+        label = f"{model}@{chunk}, {launch:g} us/launch, switch {switch:g} ms"
+        out.append((label, ns, server))
+    return out
 
 
 def _sweep_point(args, base: ServerArgs, label: str, point: SweepPoint, model_dir: str):
@@ -291,8 +401,8 @@ def format_sweep(results: list[dict]) -> str:
         "",
         "per point and mode (ms per batch; busy: device busy fraction; gap: median hand-off gap;"
         " of bnd: proc-ahead's uncached ITPS over its bound, max(device, issue, t_sched) a batch):",
-        f"{'point':>20} {'mode':>12} {'uncached ITPS':>13} {'t_issue':>8} {'t_device':>8} "
-        f"{'t_sched':>8} {'busy':>5} {'gap':>6} {'of bnd':>6} {'pa/this':>7}",
+        f"{'point':>20} {'mode':>12} {'uncached ITPS':>13} {'trials min-max':>17} {'t_issue':>8} "
+        f"{'t_device':>8} {'t_sched':>8} {'busy':>5} {'gap':>6} {'of bnd':>6} {'pa/this':>7}",
     ]
     for res in results:
         by = {r["mode"]: r for r in res["runs"]}
@@ -300,7 +410,8 @@ def format_sweep(results: list[dict]) -> str:
         for r in res["runs"]:
             lines.append(
                 f"{res['config']['label']:>20} {r['mode']:>12} {r['uncached_itps']:13,.0f} "
-                f"{r['t_issue_ms']:8.2f} {r['t_device_ms']:8.2f} {r['t_sched_ms']:8.2f} "
+                f"{min(r['trials']):8,.0f}-{max(r['trials']):<8,.0f} {r['t_issue_ms']:8.2f} "
+                f"{r['t_device_ms']:8.2f} {r['t_sched_ms']:8.2f} "
                 f"{r['device_busy_frac']:5.2f} {_gap(r):>6} {_of_bound(r):>6} {_rel(pa, r):>7}"
             )
     return "\n".join(lines)

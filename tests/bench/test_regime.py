@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 
 from mpprefill.bench.regime import (
+    binding_term,
     bounds_ms,
     grid,
     is_launch_bound,
+    launch_ratio,
     of_bound,
-    plot_regime_map,
+    plot_sensitivity_maps,
     ratio,
 )
 
@@ -24,11 +26,13 @@ def _run(mode: str, itps: float, device: float, issue: float, sched: float) -> d
     }
 
 
-def _point(model: str, chunk: int, pa: float, ta: float) -> dict:
+def _point(model: str, chunk: int, pa: float, ta: float, launch: float = 0.0) -> dict:
     server = {
         "emulate_model": model,
         "chunked_prefill_size": chunk,
         "emulate_gpu": "h200",
+        "emulate_launch_us": launch,
+        "switch_interval_ms": 5.0,
         "disaggregation_transfer_backend": "fake",
     }
     runs = [_run("proc-ahead", pa, 1.0, 10.0, 5.0), _run("thread-ahead", ta, 1.0, 10.0, 5.0)]
@@ -51,13 +55,64 @@ def test_proc_ahead_is_measured_against_its_bound():
     assert of_bound({**run, "t_sched_ms": 20.0}) == pytest.approx(1.8)  # the scheduler bounds it
 
 
-def test_grid_and_heat_map(tmp_path):
-    points = [_point(m, c, 2.0, 1.0) for m in ("a", "b") for c in (8192, 512)]
-    models, chunks, cells = grid(points)
-    assert models == ["a", "b"] and chunks == [512, 8192]
-    assert ratio(cells[("b", 512)], "proc-ahead", "thread-ahead") == 2.0
-    assert ratio(cells[("b", 512)], "proc-ahead", "overlap") is None
+def test_the_binding_term_is_the_largest_of_the_process_bound():
+    assert binding_term(_run("proc-ahead", 1.0, device=4.0, issue=10.0, sched=5.0)) == "issue"
+    assert binding_term(_run("proc-ahead", 1.0, device=12.0, issue=10.0, sched=5.0)) == "device"
+    assert binding_term(_run("proc-ahead", 1.0, device=1.0, issue=2.0, sched=3.0)) == "scheduler"
+    assert launch_ratio(_run("proc-ahead", 1.0, device=4.0, issue=10.0, sched=5.0)) == 1.5
+
+
+def test_grid_keys_cells_by_panel_launch_cost_and_budget():
+    points = [
+        _point(m, c, 2.0, 1.0, launch=x) for m in ("a", "b") for c in (8192, 512) for x in (5, 2)
+    ]
+    panels, launches, chunks, cells = grid(points)
+    assert panels == ["a, switch 5 ms", "b, switch 5 ms"]
+    assert launches == [2, 5] and chunks == [512, 8192]
+    cell = cells[("b, switch 5 ms", 5, 512)]
+    assert cell["config"]["server"]["emulate_model"] == "b"
+    assert ratio(cell, "proc-ahead", "thread-ahead") == 2.0
+    assert ratio(cell, "proc-ahead", "overlap") is None
+
+
+def test_sensitivity_maps_are_written_for_the_modes_the_sweep_ran(tmp_path):
     pytest.importorskip("matplotlib")
+    points = [_point(m, c, 2.0, 1.0, launch=x) for m in ("a",) for c in (512, 8192) for x in (2, 5)]
     out = tmp_path / "map.png"
-    plot_regime_map(points, str(out))
+    assert plot_sensitivity_maps(points, str(out)) == [str(out)]  # no overlap runs: one map
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for p in points:
+        p["runs"].append(_run("overlap", 1.5, 1.0, 10.0, 5.0))
+    written = plot_sensitivity_maps(points, str(out))
+    assert written == [str(out), str(tmp_path / "map_overlap.png")]
+    assert (tmp_path / "map_overlap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_emulated_sweep_crosses_its_four_dimensions():
+    import argparse
+
+    from mpprefill.bench.suite import _emulated_points
+    from mpprefill.config import ServerArgs
+
+    args = argparse.Namespace(
+        num_requests=64,
+        sweep_models="Qwen2.5-0.5B,Llama-3.1-8B",
+        sweep_chunks="512,8192",
+        sweep_launch_us="2,10",
+        sweep_switch_ms=None,
+    )
+    base = ServerArgs(device="emulated", switch_interval_ms=0.5)
+    points = _emulated_points(args, base)
+    assert len(points) == 8
+    label, ns, server = points[-1]
+    assert label == "Llama-3.1-8B@8192, 10 us/launch, switch 0.5 ms"
+    assert ns.num_requests == 64 * 4  # one more request share per 2,048 tokens
+    assert (server.emulate_model, server.chunked_prefill_size, server.max_prefill_tokens) == (
+        "Llama-3.1-8B",
+        8192,
+        8192,
+    )
+    assert server.emulate_launch_us == 10.0 and server.switch_interval_ms == 0.5
+    assert args.num_requests == 64  # the command line's namespace is not changed
+    with pytest.raises(ValueError, match="comma-separated"):
+        _emulated_points(argparse.Namespace(**{**vars(args), "sweep_chunks": "512,x"}), base)
