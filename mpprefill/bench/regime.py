@@ -20,6 +20,7 @@ import os
 
 LAUNCH_BOUND_FACTOR = 1.4
 TERMS = {"t_device_ms": "device", "t_issue_ms": "issue", "t_sched_ms": "scheduler"}
+SHORT = {"device": "device", "issue": "issue", "scheduler": "sched"}  # in a map's cells
 
 
 def bounds_ms(run: dict) -> dict[str, float]:
@@ -97,7 +98,7 @@ def _plot(results: list[dict], other: str, path: str) -> None:
     from matplotlib.figure import Figure
 
     panels, launches, chunks, cells = grid(results)
-    fig = Figure(figsize=(1.6 + 2.8 * len(panels), 2.2 + 0.75 * len(launches)))
+    fig = Figure(figsize=(1.6 + 2.8 * len(panels), 2.0 + 0.6 * len(launches)), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     image = None
     for ax, panel in zip(axes, panels):
@@ -110,8 +111,8 @@ def _plot(results: list[dict], other: str, path: str) -> None:
                 row.append((ratio(res, "proc-ahead", other) if res else None) or math.nan)
                 lrow.append(launch_ratio(pa) if pa else math.nan)
                 if pa is not None:
-                    text = f"{row[-1]:.2f}x\n{binding_term(pa)}"
-                    ax.text(len(row) - 1, len(values), text, ha="center", va="center", fontsize=8)
+                    text = f"{row[-1]:.2f}x\n{SHORT[binding_term(pa)]}"
+                    ax.text(len(row) - 1, len(values), text, ha="center", va="center", fontsize=7)
             values.append(row)
             launchiness.append(lrow)
         image = ax.imshow(values, cmap="RdYlGn", vmin=0.75, vmax=1.75, origin="lower")
@@ -125,7 +126,7 @@ def _plot(results: list[dict], other: str, path: str) -> None:
     server = results[0]["config"]["server"]
     fig.suptitle(
         f"proc-ahead / {other} uncached ITPS, emulated {server['emulate_gpu']}, medians\n"
-        "cell: the ratio and the term binding proc-ahead\n"
+        "cell: the ratio and the term binding proc-ahead (device, issue, sched)\n"
         f"line: issue + sched = {LAUNCH_BOUND_FACTOR} x max(device, issue, sched)",
         fontsize=8,
     )
