@@ -269,7 +269,14 @@ class PrefillServer:
         self._poller.poll(max(1, int(timeout * 1000)))
 
     def stats(self) -> dict:
-        out = {"forward_mode": self.mode, **scheduler_stats(self.scheduler)}
+        args = self.args
+        out = {
+            "forward_mode": self.mode,
+            "disaggregation_mode": args.disaggregation_mode,
+            "tp_size": args.tp_size,
+            "max_total_num_tokens": self.scheduler.allocator.size,
+            **scheduler_stats(self.scheduler),
+        }
         out["uptime_s"] = time.monotonic() - self.t_start
         out["counters"] |= {"replies_dropped": self.replies_dropped, "bad_frames": self.bad_frames}
         out["gc"] = self.gc.to_dict()

@@ -1,5 +1,6 @@
 """Servers on one host told apart by --port alone: two prefills and two decodes whose other
-ports all derive from it; a port in use is one line and exit status 2."""
+ports all derive from it, KV moving between them; SGLang's /get_load and /server_info on
+both kinds; a port in use is one line and exit status 2."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
+from importlib import metadata
 
 import pytest
 
@@ -15,6 +19,8 @@ pytest.importorskip("uvicorn")
 
 from mpprefill.bench.procs import free_base_port  # noqa: E402
 from mpprefill.ports import BOOTSTRAP_OFFSET, RECEIVER_OFFSET, ZMQ_OFFSET  # noqa: E402
+from mpprefill.server import protocol  # noqa: E402
+from mpprefill.server.client import Client  # noqa: E402
 from tests.http.helpers import Front  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,6 +32,7 @@ COMMON_FLAGS = ("--max-total-tokens", str(MAX_TOTAL_TOKENS), "--log-level", "war
 # the prefills' --port is B and B + 1, the decodes' B + 2 and B + 3: every port derived
 # from those must be free too
 OFFSETS = [i + o for i in range(4) for o in (0, ZMQ_OFFSET, RECEIVER_OFFSET, BOOTSTRAP_OFFSET)]
+IDLE = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
 
 
 class Server(Front):
@@ -39,6 +46,22 @@ class Server(Front):
         self.proc = subprocess.Popen(
             [*cmd, *COMMON_FLAGS], stdout=self.log, stderr=subprocess.STDOUT
         )
+
+    def client(self) -> Client:
+        """A client of its ZeroMQ request socket, on the port derived from --port."""
+        return Client(f"{HOST}:{self.port + ZMQ_OFFSET}")
+
+    def load(self) -> dict:
+        status, load = self.get("/get_load")
+        assert status == 200 and isinstance(load, list) and len(load) == 1, load
+        return load[0]
+
+    def load_until(self, ok: Callable[[dict], bool], timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while not ok(load := self.load()):
+            assert time.monotonic() < deadline, load
+            time.sleep(0.05)
+        return load
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +96,52 @@ def test_two_prefills_and_two_decodes_run_given_port_alone(cluster):
         assert _listening(s.port + BOOTSTRAP_OFFSET), "no bootstrap endpoint"
     for s in decodes:
         assert _listening(s.port + RECEIVER_OFFSET), "no receiver"
+
+
+def test_kv_moves_to_each_decode_from_the_prefill_it_names(cluster):
+    """Decode i registers its room at prefill i's derived bootstrap port and generates on
+    the KV that comes. While a decode waits for its KV, its /get_load counts the request and
+    the pages it holds; while a prefill waits for its decode, it counts the request."""
+    prefills, decodes = cluster
+    ids = list(range(10, 40))
+    for i, decode_first in ((0, True), (1, False)):
+        prefill, decode = prefills[i].client(), decodes[i].client()
+        bootstrap = prefills[i].port + BOOTSTRAP_OFFSET
+        params = {"temperature": 0.0, "max_new_tokens": 4}
+        to_decode = protocol.generate_frame(f"r{i}", ids, params, 70 + i, HOST, bootstrap)
+        try:
+            if decode_first:
+                decode.send_raw(to_decode)
+                load = decodes[i].load_until(lambda x: x["num_reqs"] == 1)
+                assert load["num_waiting_reqs"] == 1 and load["num_tokens"] >= len(ids)
+                prefill.generate(f"r{i}", ids, 70 + i)
+            else:
+                prefill.generate(f"r{i}", ids, 70 + i)
+                load = prefills[i].load_until(lambda x: x["num_reqs"] == 1)
+                assert load == {**IDLE, "num_reqs": 1, "num_waiting_reqs": 1}
+                decode.send_raw(to_decode)
+            assert prefill.recv(60)["status"] == "done"
+            reply = decode.recv(60)
+            assert reply["status"] == "done" and len(reply["output_ids"]) == 4, reply
+        finally:
+            prefill.close()
+            decode.close()
+    for s in (*prefills, *decodes):
+        assert s.load_until(lambda x: x == IDLE) == IDLE
+
+
+def test_server_info_says_role_size_capacity_and_version(cluster):
+    prefills, decodes = cluster
+    for servers, mode in ((prefills, "prefill"), (decodes, "decode")):
+        for s in servers:
+            for path in ("/server_info", "/get_server_info"):
+                status, info = s.get(path)
+                assert status == 200
+                assert info["disaggregation_mode"] == mode and info["tp_size"] == 1
+                assert info["max_total_num_tokens"] == MAX_TOTAL_TOKENS
+                assert info["version"] == metadata.version("mpprefill")
+            load = s.load()
+            assert sorted(load) == sorted(IDLE) and all(type(v) is int for v in load.values())
 
 
 @pytest.mark.parametrize(

@@ -352,13 +352,27 @@ class DecodeServer:
 
     def stats(self) -> dict:
         gen = self.generator
+        rx = self.rx.stats()
         return {
             "role": "decode",
+            "disaggregation_mode": "decode",
+            "tp_size": 1,
+            "max_total_num_tokens": rx["num_pages"] * self.args.page_size,
             "requests": len(self.requests),
             "running": gen.num_running if gen is not None else 0,
             "waiting": gen.num_waiting if gen is not None else 0,
-            **self.rx.stats(),
+            "load": self._load(rx),
+            **rx,
         }
+
+    def _load(self, rx: dict) -> dict[str, int]:
+        """SGLang's load figures: every request not yet replied to, those of them waiting
+        for their KV or for a place in the decode batch, and the KV tokens held."""
+        gen = self.generator
+        waiting = sum(1 for r in self.requests.values() if not r.generating)
+        waiting += gen.num_waiting if gen is not None else 0
+        held = (rx["num_pages"] - rx["free_pages"]) * self.args.page_size
+        return {"num_reqs": len(self.requests), "num_waiting_reqs": waiting, "num_tokens": held}
 
     def _send(self, ident: bytes, payload: bytes) -> None:
         try:
