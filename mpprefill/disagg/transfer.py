@@ -78,6 +78,7 @@ class TransferBackend:
     `decode_address`, the bootstrap endpoint."""
 
     name = "base"
+    needs_bootstrap_room = True  # a request's room names where its KV goes
 
     def __init__(
         self,

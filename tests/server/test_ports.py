@@ -1,6 +1,7 @@
 """Servers on one host told apart by --port alone: two prefills and two decodes whose other
 ports all derive from it, KV moving between them; SGLang's /get_load and /server_info on
-both kinds; a port in use is one line and exit status 2."""
+both kinds; a port in use is one line and exit status 2; a request a prefill cannot send
+KV for (no bootstrap_room) is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -142,6 +143,21 @@ def test_server_info_says_role_size_capacity_and_version(cluster):
                 assert info["version"] == metadata.version("mpprefill")
             load = s.load()
             assert sorted(load) == sorted(IDLE) and all(type(v) is int for v in load.values())
+
+
+def test_a_request_without_bootstrap_room_is_400_naming_it(cluster):
+    prefill = cluster[0][0]
+    body = {"input_ids": [1, 2, 3, 4, 5], "sampling_params": {"max_new_tokens": 4}}
+    status, out = prefill.post("/generate", body)
+    assert status == 400 and "missing bootstrap_room" in out["error"]["message"], out
+    client = prefill.client()
+    try:
+        client.generate("no-room", [1, 2, 3])
+        reply = client.recv(30)
+    finally:
+        client.close()
+    assert reply["status"] == "error" and reply["code"] == 400, reply
+    assert reply["error"].startswith("missing bootstrap_room"), reply
 
 
 @pytest.mark.parametrize(
