@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from mpprefill import ports
 from mpprefill.cli import command
 from mpprefill.config import ServerArgs
 from mpprefill.flags import add_flags, from_namespace
@@ -22,7 +23,10 @@ def serve(args: argparse.Namespace) -> int:
         server_args.resolved_forward_mode  # noqa: B018 - validates the mode and env aliases
     except ValueError as e:
         raise SystemExit(f"mpprefill serve: {e}") from None
-    return run_serve(server_args)
+    try:
+        return run_serve(server_args)
+    except ports.PortUnavailable as e:
+        return ports.report(e, "mpprefill serve")
 
 
 def _decode_args(ap: argparse.ArgumentParser) -> None:

@@ -6,7 +6,9 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from mpprefill import ports
 from mpprefill.flags import _f
+from mpprefill.ports import Listen
 
 FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ahead")
 TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
@@ -79,9 +81,15 @@ class ServerArgs:
         "fake", "how KV reaches the decode side", choices=TRANSFER_BACKENDS
     )
     host: str = _f("127.0.0.1", "address the HTTP front and the request socket bind to")
-    port: int = _f(30000, "HTTP port: SGLang's API, served by the HTTP front process")
-    zmq_port: int = _f(
-        30100, "the ZeroMQ JSON request socket's port (the HTTP front, bench and chaos use it)"
+    port: int = _f(
+        ports.DEFAULT_PORT,
+        "HTTP port: SGLang's API, served by the HTTP front process; --zmq-port and"
+        " --disaggregation-bootstrap-port derive from it when not given",
+    )
+    zmq_port: int | None = _f(
+        None,
+        "the ZeroMQ JSON request socket's port (the HTTP front, bench and chaos use it);"
+        " default --port + 100",
     )
     disable_http_front: bool = _f(
         False, "serve the ZeroMQ request socket only: no HTTP front process (as the bench does)"
@@ -182,10 +190,11 @@ class ServerArgs:
         "free a running request's sliding-window KV once it leaves the window, instead of"
         " keeping it (evicted first) for prefix hits",
     )
-    disaggregation_bootstrap_port: int = _f(
-        8998,
+    disaggregation_bootstrap_port: int | None = _f(
+        None,
         "port of the bootstrap endpoint where decode servers register their rooms (shm and"
-        " mooncake without --decode-address; 0: any free port)",
+        " mooncake without --decode-address; 0: any free port); default --port - 21002,"
+        " SGLang's 8998 at the default --port",
     )
     tp_size: int = _f(
         1,
@@ -244,10 +253,18 @@ class ServerArgs:
                 raise ValueError(f"--{name}: one of {allowed}, got {value!r}")
         if self.staging not in STAGINGS:
             raise ValueError(f"--staging: one of {STAGINGS}")
-        if not self.disable_http_front and self.port == self.zmq_port:
-            raise ValueError(f"--port and --zmq-port are both {self.port}")
+        self._check_ports()
         if self.tp_size > 1:
             self._check_tp()
+
+    def _check_ports(self) -> None:
+        listens = [Listen("--port", self.port), self.zmq_listen]
+        if self.serves_bootstrap:
+            listens.append(self.bootstrap_listen)
+        for listen in listens:
+            ports.check_range(listen)
+        if not self.disable_http_front and self.port == self.zmq_listen.port:
+            raise ValueError(f"--port and --zmq-port are both {self.port}")
 
     def _check_tp(self) -> None:
         """What a tensor-parallel group does not run (yet)."""
@@ -260,6 +277,36 @@ class ServerArgs:
         """The longest prompt this server takes: --context-length, else the model's positions.
         Admission validates against it and the staging slots are sized from it."""
         return self.context_length or max_position_embeddings
+
+    @property
+    def http_listen(self) -> Listen | None:
+        """The HTTP front's port; None with --disable-http-front."""
+        return None if self.disable_http_front else Listen("--port", self.port)
+
+    @property
+    def zmq_listen(self) -> Listen:
+        return ports.derive("--zmq-port", self.zmq_port, self.port, ports.ZMQ_OFFSET)
+
+    @property
+    def bootstrap_listen(self) -> Listen:
+        flag, given = "--disaggregation-bootstrap-port", self.disaggregation_bootstrap_port
+        return ports.derive(flag, given, self.port, ports.BOOTSTRAP_OFFSET)
+
+    @property
+    def serves_bootstrap(self) -> bool:
+        """Decode servers register rooms here: KV moves, to no fixed --decode-address."""
+        return self.disaggregation_transfer_backend != "fake" and self.decode_address is None
+
+    @property
+    def listens(self) -> list[Listen]:
+        """Every port this server listens on: the HTTP front's, the request socket's, the
+        bootstrap endpoint's (where it has them)."""
+        out = [self.zmq_listen]
+        if self.http_listen is not None:
+            out.insert(0, self.http_listen)
+        if self.serves_bootstrap:
+            out.append(self.bootstrap_listen)
+        return out
 
     @property
     def torch_device(self) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start a decode receiver and a prefill server (scheduler + forward worker) on this host.
 # Flags go to `mpprefill serve` (its HTTP front on --port, default 30000; its ZeroMQ socket
-# on --zmq-port, default 30100); DECODE_PORT (default 30200) picks the decode port.
+# on --zmq-port, default --port + 100); DECODE_PORT (default 30200) picks the decode port.
 # Ctrl-C stops both.
 source "$(dirname "$0")/_env.sh"
 setup_venv

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import ipc
@@ -28,13 +29,34 @@ def free_port() -> int:
     ports = _non_ephemeral_ports()
     for _ in range(200):
         port = random.choice(ports)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
+        if _bindable(port):
+            return port
     raise RuntimeError(f"no free port found in {ports}")
+
+
+def free_base_port(offsets: Iterable[int]) -> int:
+    """A port P free now, with P + each of `offsets` free too, all outside the kernel's
+    ephemeral range (see free_port): for servers whose other ports derive from their
+    --port (mpprefill.ports)."""
+    offsets = sorted({0, *offsets})
+    ports = _non_ephemeral_ports()
+    low, high = ports.start - offsets[0], ports.stop - 1 - offsets[-1]
+    if low > high:
+        raise RuntimeError(f"offsets {offsets[0]}..{offsets[-1]} do not fit in {ports}")
+    for _ in range(200):
+        base = random.randint(low, high)
+        if all(_bindable(base + o) for o in offsets):
+            return base
+    raise RuntimeError(f"no free port P in {low}..{high} with P + {offsets} free")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _non_ephemeral_ports() -> range:

@@ -92,6 +92,7 @@ class FakeTransfer:
     """Backend factory: every request is bootstrapped at once."""
 
     name = "fake"
+    needs_bootstrap_room = False
 
     def create_sender(self, req) -> KVSender:
         return FakeSender()

@@ -43,12 +43,12 @@ from mpprefill.disagg.transfer_sender import (
     check_range,
 )
 from mpprefill.memory.kv_cache import KVCache
+from mpprefill.ports import DEFAULT_BOOTSTRAP_PORT
 from mpprefill.trace.tracer import clock_ns, get_tracer
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DECODE_ADDRESS = "127.0.0.1:30200"
-DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port
 _RETRY_S = 0.05  # after a bootstrap reply "unknown": the router has not registered yet
 _RESEND_S = 1.0  # a bootstrap that got no reply at all is sent again
 _LINK_IDLE_S = 30.0  # a link to a decode with no room in flight is closed after this
@@ -78,6 +78,7 @@ class TransferBackend:
     `decode_address`, the bootstrap endpoint."""
 
     name = "base"
+    needs_bootstrap_room = True  # a request's room names where its KV goes
 
     def __init__(
         self,

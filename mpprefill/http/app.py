@@ -30,9 +30,12 @@ from mpprefill.http.errors import HttpError, bad_request, error_body
 from mpprefill.http.link import FrameTooLarge, NoReply, RidInFlight, SchedulerLink
 from mpprefill.http.metrics import FrontMetrics
 from mpprefill.http.tokenizer import TextTokenizer
+from mpprefill.version import package_version
 
 logger = logging.getLogger(__name__)
 BIG_BODY_BYTES = 1 << 20  # bodies parsed on a thread, so the event loop keeps serving
+# what /server_info takes from the server's stats to its top level, as SGLang puts them
+SERVER_INFO_FIELDS = ("disaggregation_mode", "tp_size", "max_total_num_tokens")
 
 
 class FastJSONResponse(JSONResponse):
@@ -192,10 +195,23 @@ class HttpFront:
         }
 
     async def server_info(self) -> dict[str, Any]:
-        """The front's settings, and the scheduler's stats as SGLang's `internal_states`."""
+        """The front's settings, the server's own (role, TP size, KV capacity, as its stats
+        say them) and version, and its stats as SGLang's `internal_states`."""
+        stats = await self._stats()
+        server = {k: stats[k] for k in SERVER_INFO_FIELDS if k in stats}
+        info = {**dataclasses.asdict(self.args), **server, "version": package_version()}
+        return {**info, "internal_states": [stats]}
+
+    async def get_load(self) -> list[dict[str, Any]]:
+        """SGLang's load, one entry per data-parallel rank (one here), from the scheduler's
+        own counters: what sglang-router's load-aware policies poll (they sum
+        `num_tokens`)."""
+        stats = await self._stats()
+        return [{"dp_rank": 0, **stats["load"]}]
+
+    async def _stats(self) -> dict[str, Any]:
         stats = await _answer(self.link.stats(self.args.health_timeout))
-        stats = {k: v for k, v in stats.items() if k not in ("rid", "status")}
-        return {**dataclasses.asdict(self.args), "internal_states": [stats]}
+        return {k: v for k, v in stats.items() if k not in ("rid", "status")}
 
     async def abort_request(self, request: Request) -> dict[str, Any]:
         """Abort `rid`, or with `abort_all` every request in flight here; lists the rids
@@ -351,6 +367,7 @@ def _add_routes(app: FastAPI, front: HttpFront) -> None:
         app.add_api_route(path, front.model_info, methods=["GET"])
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, front.server_info, methods=["GET"])
+    app.add_api_route("/get_load", front.get_load, methods=["GET"])
     app.add_api_route("/flush_cache", front.flush_cache, methods=["GET", "POST"])
     app.add_api_route("/abort_request", front.abort_request, methods=["POST"])
     app.add_api_route("/metrics", front.metrics_text, methods=["GET"])

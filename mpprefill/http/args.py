@@ -27,6 +27,11 @@ class HttpArgs:
     parent_pid: int | None = _f(
         None, "exit when this process exits (`mpprefill serve` and `decode` pass their own pid)"
     )
+    listen_fd: int | None = _f(
+        None,
+        "serve on this inherited socket, already bound to --host:--port and listening"
+        " (`mpprefill serve` and `decode` bind it when they start), instead of binding here",
+    )
 
     def __post_init__(self):
         if self.max_body_bytes < 1:

@@ -1,6 +1,9 @@
 """The HTTP front as a child of the server it fronts (`mpprefill serve` or `mpprefill
 decode`): spawned pointing at that server's ZeroMQ socket, tied to its life, stopped with it.
 
+The server binds the front's port itself, so that a port in use is its one line
+(mpprefill.ports); the front inherits the listening socket (`--listen-fd`) and serves on it.
+
 The front is its own process (`python -m mpprefill.http`) so that HTTP parsing and
 tokenization never take the server's GIL. It is given the server's pid (`--parent-pid`) and
 asks the kernel for SIGTERM when that process exits (PR_SET_PDEATHSIG, `ipc.die_with_parent`),
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 from typing import Protocol
@@ -36,11 +40,14 @@ def local_address(host: str, port: int) -> str:
     return f"127.0.0.1:{port}" if host in WILDCARDS else f"{host}:{port}"
 
 
-def front_command(args: FrontSettings, zmq_port: int) -> list[str]:
-    """`python -m mpprefill.http` with the server's HTTP settings, pointed at its socket."""
+def front_command(args: FrontSettings, zmq_port: int, listen_fd: int | None = None) -> list[str]:
+    """`python -m mpprefill.http` with the server's HTTP settings, pointed at its socket;
+    serving on the inherited socket `listen_fd`, where given."""
     cmd = [sys.executable, "-m", "mpprefill.http"]
     cmd += ["--zmq-address", local_address(args.host, zmq_port), "--host", args.host]
     cmd += ["--port", str(args.port), "--parent-pid", str(os.getpid())]
+    if listen_fd is not None:
+        cmd += ["--listen-fd", str(listen_fd)]
     cmd += ["--log-level", args.log_level]
     for flag, value in (
         ("--model-path", args.model_path),
@@ -54,12 +61,18 @@ def front_command(args: FrontSettings, zmq_port: int) -> list[str]:
 
 
 class HttpFrontProcess:
-    """The spawned front; `stop()` ends it (SIGTERM, then SIGKILL), `kill()` at once."""
+    """The spawned front; `stop()` ends it (SIGTERM, then SIGKILL), `kill()` at once.
+    `listener`: the front's socket, bound and listening, which it inherits (closed here)."""
 
-    def __init__(self, args: FrontSettings, zmq_port: int):
+    def __init__(self, args: FrontSettings, zmq_port: int, listener: socket.socket):
         # NOTE: spawn from the server's main thread, which lives as long as the server:
         # the death signal follows the thread that started the child.
-        self.proc = subprocess.Popen(front_command(args, zmq_port), stdin=subprocess.DEVNULL)
+        fd = listener.fileno()
+        try:
+            cmd = front_command(args, zmq_port, fd)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(fd,))
+        finally:
+            listener.close()  # the front's copy is the one that serves
         logger.info("HTTP front (pid %d) on %s:%d", self.proc.pid, args.host, args.port)
 
     def stop(self) -> int:

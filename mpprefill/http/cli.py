@@ -7,8 +7,10 @@ import argparse
 import logging
 import os
 import signal
+import socket
 
 import ipc
+from mpprefill import ports
 from mpprefill.flags import add_flags, from_namespace
 from mpprefill.http.args import HttpArgs
 from mpprefill.http.tokenizer import TextTokenizer
@@ -29,6 +31,14 @@ def load_tokenizer(args: HttpArgs) -> TextTokenizer | None:
     return TextTokenizer(path)
 
 
+def listener(args: HttpArgs) -> socket.socket:
+    """The socket to serve on: the one inherited, or --host:--port bound here
+    (ports.PortUnavailable if it cannot be)."""
+    if args.listen_fd is not None:
+        return socket.socket(fileno=args.listen_fd)
+    return ports.listen_socket(args.host, ports.Listen("--port", args.port))
+
+
 def run_http(args: HttpArgs) -> int:
     import uvicorn
 
@@ -37,6 +47,10 @@ def run_http(args: HttpArgs) -> int:
     if args.parent_pid is not None and not ipc.die_with_parent(args.parent_pid, signal.SIGTERM):
         logger.warning("the server process %d is gone; the HTTP front exits", args.parent_pid)
         return 1
+    try:
+        sock = listener(args)
+    except ports.PortUnavailable as e:
+        return ports.report(e, "python -m mpprefill.http")
     tokenizer = load_tokenizer(args)
     logger.info(
         "HTTP front on %s:%d for the scheduler at %s, tokenizer %s",
@@ -45,7 +59,7 @@ def run_http(args: HttpArgs) -> int:
         args.zmq_address,
         tokenizer.path if tokenizer else "none (ids only)",
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         build_app(args, tokenizer),
         host=args.host,
         port=args.port,
@@ -54,6 +68,7 @@ def run_http(args: HttpArgs) -> int:
         access_log=args.log_level == "debug",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

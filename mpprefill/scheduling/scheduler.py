@@ -35,6 +35,14 @@ if TYPE_CHECKING:
     from mpprefill.disagg.transfer import TransferBackend
 
 
+NO_ROOM = (
+    "missing bootstrap_room: the {backend} transfer backend sends a request's KV to the decode"
+    " server that registers its room; send requests through a PD router (it adds"
+    " bootstrap_host, bootstrap_port and bootstrap_room), or serve with"
+    " --disaggregation-transfer-backend fake to prefill without a decode side"
+)
+
+
 class Flushed(NamedTuple):
     """Tokens a cache flush dropped, per tier."""
 
@@ -95,6 +103,8 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
+        if req.bootstrap_room is None and self.transfer.needs_bootstrap_room:
+            raise ValueError(NO_ROOM.format(backend=self.transfer.name))
         req.sender = self.transfer.create_sender(req)
         req.status = ReqStatus.BOOTSTRAPPING
         self.reqs.live[req.rid] = req

@@ -22,11 +22,21 @@ def scheduler_stats(s: Scheduler) -> dict:
             "live": len(s.reqs.live),
             "running": sum(1 for r in s.reqs.live.values() if r.status == ReqStatus.RUNNING),
         },
+        "load": load(s),
         "kv": {**kv_stats(s.allocator, s.tree), "evictable_tokens": s.tree.evictable_size()},
         "req_slots": {"free": s.req_pool.available_size(), "total": s.req_pool.size},
         "counters": s.metrics.to_dict(),
         "invariants": _invariants(s),
     }
+
+
+def load(s: Scheduler) -> dict[str, int]:
+    """SGLang's load figures: every request not yet finished, those of them waiting for
+    their decode side or for admission, and the KV tokens requests hold (in use, not
+    free and not evictable prefix cache)."""
+    waiting = len(s.reqs.bootstrap_queue) + len(s.reqs.waiting)
+    held = s.allocator.size - s.allocator.available_size() - s.tree.evictable_size()
+    return {"num_reqs": len(s.reqs.live), "num_waiting_reqs": waiting, "num_tokens": held}
 
 
 def _invariants(s: Scheduler) -> dict:

@@ -18,6 +18,7 @@ import time
 
 import zmq
 
+from mpprefill import ports
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.sender import TransferDied
 from mpprefill.http.child import HttpFrontProcess
@@ -48,11 +49,23 @@ class PrefillServer:
         self.front: HttpFrontProcess | None = None
         self.profiler: RuntimeProfiler | None = None
         self.t_start = time.monotonic()
+        # NOTE: the ports first: one that cannot be had fails here, before a worker starts.
+        ports.check_free(args.host, args.listens)
+        self.ctx = zmq.Context()
+        with ports.binding(args.host, args.zmq_listen):
+            self.sock = protocol.bind_server_socket(self.ctx, args.host, args.zmq_listen.port)
         signals.install(self._on_signal, self._exit_now)
         if args.trace_dir:
             set_tracer(Tracer("scheduler", enabled=True))
         self.worker, model_config = make_worker(args, self.mode)
-        self.transfer = _make_transfer(args, self.worker)
+        try:
+            with ports.binding(args.host, args.bootstrap_listen):
+                self.transfer = _make_transfer(args, self.worker)
+        except ports.PortUnavailable:  # taken since the check above
+            self.worker.close()
+            self.sock.close(linger=0)
+            self.ctx.term()
+            raise
         self.scheduler = Scheduler(
             args,
             model_config,
@@ -62,8 +75,6 @@ class PrefillServer:
             recv_requests=self._recv,
             wait_for_requests=self._wait,
         )
-        self.ctx = zmq.Context()
-        self.sock = protocol.bind_server_socket(self.ctx, args.host, args.zmq_port)
         self._poller = zmq.Poller()  # the socket, and the worker's death where it has one
         self._poller.register(self.sock, zmq.POLLIN)
         if self.worker.sentinel is not None:
@@ -80,8 +91,18 @@ class PrefillServer:
         self.gc = GcWatch().install()
         forward_pid = self.worker.pid if self.mode in ("proc", "proc-ahead") else None
         self.profiler = RuntimeProfiler(forward_pid)
-        if not args.disable_http_front:
-            self.front = HttpFrontProcess(args, args.zmq_port)
+        if args.http_listen is not None:
+            self._start_front()
+
+    def _start_front(self) -> None:
+        """The HTTP front, on the port bound here; a port taken since the check at the
+        start closes what started."""
+        try:
+            listener = ports.listen_socket(self.args.host, self.args.http_listen)
+        except ports.PortUnavailable:
+            self.close()
+            raise
+        self.front = HttpFrontProcess(self.args, self.args.zmq_listen.port, listener)
 
     # ---- socket side ---------------------------------------------------------------------
 
@@ -248,7 +269,14 @@ class PrefillServer:
         self._poller.poll(max(1, int(timeout * 1000)))
 
     def stats(self) -> dict:
-        out = {"forward_mode": self.mode, **scheduler_stats(self.scheduler)}
+        args = self.args
+        out = {
+            "forward_mode": self.mode,
+            "disaggregation_mode": args.disaggregation_mode,
+            "tp_size": args.tp_size,
+            "max_total_num_tokens": self.scheduler.allocator.size,
+            **scheduler_stats(self.scheduler),
+        }
         out["uptime_s"] = time.monotonic() - self.t_start
         out["counters"] |= {"replies_dropped": self.replies_dropped, "bad_frames": self.bad_frames}
         out["gc"] = self.gc.to_dict()
@@ -260,7 +288,7 @@ class PrefillServer:
         logger.info(
             "prefill server on %s:%d (ZeroMQ), forward mode %s, transfer %s",
             self.args.host,
-            self.args.zmq_port,
+            self.args.zmq_listen.port,
             self.mode,
             self.transfer.name,
         )
@@ -356,7 +384,7 @@ def _make_transfer(args: ServerArgs, worker):
         transfer_timeout=args.transfer_timeout,
         fence=worker.kv_fence,
         bootstrap_host=args.host,
-        bootstrap_port=args.disaggregation_bootstrap_port,
+        bootstrap_port=args.bootstrap_listen.port,
     )
 
 

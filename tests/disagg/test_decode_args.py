@@ -72,7 +72,7 @@ def test_eos_ids_come_from_both_config_files(tmp_path):
 
 
 def test_decode_ports_are_checked():
-    assert (DecodeArgs().port, DecodeArgs().zmq_port) == (0, 30201)  # no HTTP front
+    assert (DecodeArgs().port, DecodeArgs().zmq_listen.port) == (0, 30201)  # no HTTP front
     with pytest.raises(ValueError, match="--zmq-port"):
         DecodeArgs(zmq_port=70000)
 

@@ -103,7 +103,7 @@ def test_decode_args_follow_the_dataclass():
     ns = ap.parse_args(["--port", "0", "--page-size", "8", "--verify"])
     args = from_namespace(DecodeArgs, ns)
     assert (args.port, args.page_size, args.verify, args.host) == (0, 8, True, "127.0.0.1")
-    assert DecodeArgs().receiver_port == 30200 and DecodeArgs().port == 0
+    assert DecodeArgs().receiver_listen.port == 30200 and DecodeArgs().port == 0
     assert DecodeArgs().disaggregation_transfer_backend == "shm"
     with pytest.raises(ValueError):
         DecodeArgs(max_total_tokens=8, page_size=16)

@@ -30,18 +30,21 @@ class Front:
     @classmethod
     def start(cls, *args, timeout: float = 90.0) -> Front:
         """`cls(*args)`, ready once /health answers 200 (the scheduler answered its stats)."""
-        front = cls(*args)
+        return cls(*args).wait_healthy(timeout)
+
+    def wait_healthy(self, timeout: float = 90.0) -> Front:
+        """This front, once /health answers 200; killed if it does not in time."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if front.proc.poll() is not None:
-                raise RuntimeError(f"the front exited early:\n{front.output()}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the front exited early:\n{self.output()}")
             try:
-                if front.request("GET", "/health", timeout=5)[0] == 200:
-                    return front
+                if self.request("GET", "/health", timeout=5)[0] == 200:
+                    return self
             except OSError:
                 pass
             time.sleep(0.2)
-        front.kill()
+        self.kill()
         raise TimeoutError("the front did not become healthy")
 
     def request(

@@ -3,19 +3,25 @@
 
 Its sockets: `--receiver-port` the receiver (prefill transfer backends, a registering
 router), `--zmq-port` the request protocol (server/protocol.py) for clients and the HTTP
-front, `--port` the HTTP front (SGLang's meaning; 0: none)."""
+front, `--port` the HTTP front (SGLang's meaning; 0: none). With a front, the other two
+derive from `--port` when not given (mpprefill.ports); without one they are fixed."""
 
 from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
 
+from mpprefill import ports
 from mpprefill.config import DTYPES, ServerArgs
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import DECODE_BACKENDS
 from mpprefill.disagg.decode.delay import TransferDelay
 from mpprefill.flags import _f
 from mpprefill.http.child import WILDCARDS
+from mpprefill.ports import Listen
+
+RECEIVER_PORT = 30200  # --receiver-port without an HTTP front (--port 0)
+ZMQ_PORT = 30201  # --zmq-port without an HTTP front
 
 
 def _server(name: str):
@@ -34,15 +40,20 @@ class DecodeArgs:
         " wildcard such as 0.0.0.0",
     )
     port: int = _f(
-        0, "HTTP port: start the HTTP front (python -m mpprefill.http) on it (0: no front)"
+        0,
+        "HTTP port: start the HTTP front (python -m mpprefill.http) on it (0: no front);"
+        " --zmq-port and --receiver-port derive from it when not given",
     )
-    receiver_port: int = _f(
-        30200,
+    receiver_port: int | None = _f(
+        None,
         "port of the receiver socket, where prefill transfer backends (and a registering"
-        " router) talk to this decode (0: any free port)",
+        " router) talk to this decode (0: any free port); default --port + 200, or"
+        f" {RECEIVER_PORT} without a front",
     )
-    zmq_port: int = _f(
-        30201, "port of the request socket (generate, abort, stats; 0: any free port)"
+    zmq_port: int | None = _f(
+        None,
+        "port of the request socket (generate, abort, stats; 0: any free port); default"
+        f" --port + 100, or {ZMQ_PORT} without a front",
     )
     page_size: int = _f(16, "tokens per receive page")
     max_total_tokens: int = _f(16384, "receive pool capacity in tokens")
@@ -89,14 +100,39 @@ class DecodeArgs:
             raise ValueError("--max-queued-registrations must not be negative")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be positive")
-        for name in ("port", "receiver_port", "zmq_port"):
-            if not 0 <= getattr(self, name) < 65536:
-                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535]")
+        for listen in (Listen("--port", self.port), self.zmq_listen, self.receiver_listen):
+            ports.check_range(listen)
         if self.verify and self.emulate_model is not None:
             raise ValueError("--verify cannot check KV from an emulated device (not the model's)")
         self.transfer_delay  # noqa: B018 - validates the test delay
         if self.advertise_host is not None:
             _check_advertise_host(self.advertise_host)
+
+    @property
+    def http_listen(self) -> Listen | None:
+        """The HTTP front's port; None without a front."""
+        return Listen("--port", self.port) if self.port else None
+
+    @property
+    def zmq_listen(self) -> Listen:
+        return self._derive("--zmq-port", self.zmq_port, ports.ZMQ_OFFSET, ZMQ_PORT)
+
+    @property
+    def receiver_listen(self) -> Listen:
+        flag, given = "--receiver-port", self.receiver_port
+        return self._derive(flag, given, ports.RECEIVER_OFFSET, RECEIVER_PORT)
+
+    @property
+    def listens(self) -> list[Listen]:
+        """Every port this decode listens on: its HTTP front's (where it has one), the
+        request socket's and the receiver's."""
+        front = [self.http_listen] if self.http_listen is not None else []
+        return [*front, self.zmq_listen, self.receiver_listen]
+
+    def _derive(self, flag: str, given: int | None, offset: int, fixed: int) -> Listen:
+        if given is None and not self.port:
+            return Listen(flag, fixed)
+        return ports.derive(flag, given, self.port, offset)
 
     @property
     def advertised_host(self) -> str:

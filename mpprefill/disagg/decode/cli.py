@@ -8,6 +8,7 @@ import signal
 import threading
 
 import ipc
+from mpprefill import ports
 from mpprefill.disagg.decode import server
 from mpprefill.disagg.decode.args import DecodeArgs
 from mpprefill.flags import add_flags, from_namespace
@@ -17,10 +18,16 @@ def add_decode_args(ap: argparse.ArgumentParser) -> None:
     add_flags(ap, DecodeArgs)
 
 
-def run_decode(ns: argparse.Namespace) -> int:
+def run_decode(ns: argparse.Namespace, prog: str = "mpprefill decode") -> int:
     """Serve until SIGINT/SIGTERM, then clean up."""
-    args = from_namespace(DecodeArgs, ns)
-    srv = server.DecodeServer(args)
+    try:
+        args = from_namespace(DecodeArgs, ns)
+    except ValueError as e:
+        raise SystemExit(f"{prog}: {e}") from None
+    try:
+        srv = server.DecodeServer(args)
+    except ports.PortUnavailable as e:
+        return ports.report(e, prog)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: srv.stop())
@@ -40,4 +47,4 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return run_decode(args)
+    return run_decode(args, "python -m mpprefill.disagg.decode")

@@ -127,7 +127,7 @@ class DecodeReceiver:
         self.sock.setsockopt(zmq.LINGER, 200)
         self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
         try:
-            self.port = self._bind(f"tcp://{args.host}", args.receiver_port)
+            self.port = self._bind(f"tcp://{args.host}", args.receiver_listen.port)
         except zmq.ZMQError:
             self.sock.close()
             self.pool.close()

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import zmq
 
+from mpprefill import ports
 from mpprefill.disagg import wire
 from mpprefill.disagg.decode.args import DecodeArgs
 from mpprefill.disagg.decode.bootstrap import PrefillLinks
@@ -75,8 +76,12 @@ def eos_token_ids(model_path: str | None) -> tuple[int, ...]:
 class DecodeServer:
     def __init__(self, args: DecodeArgs) -> None:
         self.args = args
+        # NOTE: the ports first: one that cannot be had fails here, before the model loads.
+        ports.check_free(args.host, args.listens)
+        self.front: HttpFrontProcess | None = None
         self.model = None if args.emulate_model is not None else load_decode_model(args)
-        self.rx = DecodeReceiver(args, delay=args.transfer_delay, model=self.model)
+        with ports.binding(args.host, args.receiver_listen):
+            self.rx = DecodeReceiver(args, delay=args.transfer_delay, model=self.model)
         self.generator = None
         if self.model is not None:
             self.generator = Generator(
@@ -93,8 +98,9 @@ class DecodeServer:
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
         try:
-            self.sock = protocol.bind_server_socket(self.ctx, args.host, args.zmq_port or 0)
-        except zmq.ZMQError:
+            with ports.binding(args.host, args.zmq_listen):
+                self.sock = protocol.bind_server_socket(self.ctx, args.host, args.zmq_listen.port)
+        except ports.PortUnavailable:
             self.rx.close()
             self.ctx.term()
             raise
@@ -103,7 +109,8 @@ class DecodeServer:
         self.links = PrefillLinks(self.ctx, self.poller, own)
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.rx.sock, zmq.POLLIN)
-        self.front = HttpFrontProcess(args, self.zmq_port) if args.port else None
+        if args.http_listen is not None:
+            self._start_front()
         logger.info(
             "decode server: requests on %s:%d, receiver on %s, %s",
             args.host,
@@ -111,6 +118,16 @@ class DecodeServer:
             own,
             "generating" if self.generator is not None else "receiving only",
         )
+
+    def _start_front(self) -> None:
+        """The HTTP front, on the port bound here; a port taken since the check at the
+        start closes what started."""
+        try:
+            listener = ports.listen_socket(self.args.host, self.args.http_listen)
+        except ports.PortUnavailable:
+            self.close()
+            raise
+        self.front = HttpFrontProcess(self.args, self.zmq_port, listener)
 
     @staticmethod
     def _port_of(sock: zmq.Socket) -> int:
@@ -335,13 +352,27 @@ class DecodeServer:
 
     def stats(self) -> dict:
         gen = self.generator
+        rx = self.rx.stats()
         return {
             "role": "decode",
+            "disaggregation_mode": "decode",
+            "tp_size": 1,
+            "max_total_num_tokens": rx["num_pages"] * self.args.page_size,
             "requests": len(self.requests),
             "running": gen.num_running if gen is not None else 0,
             "waiting": gen.num_waiting if gen is not None else 0,
-            **self.rx.stats(),
+            "load": self._load(rx),
+            **rx,
         }
+
+    def _load(self, rx: dict) -> dict[str, int]:
+        """SGLang's load figures: every request not yet replied to, those of them waiting
+        for their KV or for a place in the decode batch, and the KV tokens held."""
+        gen = self.generator
+        waiting = sum(1 for r in self.requests.values() if not r.generating)
+        waiting += gen.num_waiting if gen is not None else 0
+        held = (rx["num_pages"] - rx["free_pages"]) * self.args.page_size
+        return {"num_reqs": len(self.requests), "num_waiting_reqs": waiting, "num_tokens": held}
 
     def _send(self, ident: bytes, payload: bytes) -> None:
         try:
