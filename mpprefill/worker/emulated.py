@@ -187,8 +187,12 @@ class LaunchCost:
 
     def _calibrate(self) -> None:
         gen = torch.Generator().manual_seed(0)
-        x = torch.rand(self.MAX_LEN, generator=gen) + 1.5  # zeta(x, q) converges for x > 1
-        self._buffers = (x, torch.rand(self.MAX_LEN, generator=gen) + 1, torch.empty_like(x))
+        # NOTE: normal tensors even when first asked inside a forward's inference mode: an
+        # inference tensor could not be written by a lump spent outside it (the head's).
+        with torch.inference_mode(False):
+            x = torch.rand(self.MAX_LEN, generator=gen) + 1.5  # zeta(x, q) converges for x > 1
+            q = torch.rand(self.MAX_LEN, generator=gen) + 1
+            self._buffers = (x, q, torch.empty_like(x))
         zero = self._median_s(0)
         full = self._median_s(self.CALIBRATION_LEN)
         self._fixed_s = zero

@@ -102,6 +102,15 @@ def test_each_lump_is_sized_from_the_fitted_cost_and_the_fit_follows_what_lumps_
     assert sizes[2] == cost.MAX_LEN
 
 
+def test_a_cost_first_spent_inside_inference_mode_is_spent_outside_it_too():
+    """The layers' lumps run inside the forward's inference mode, the head's may not."""
+    cost = LaunchCost(1.0)
+    with torch.inference_mode():
+        cost.spend(3)
+    cost.spend(3)
+    assert cost.asked_s == pytest.approx(6e-6)
+
+
 def test_the_lump_is_spent_with_the_gil_released():
     """A Python thread keeps counting while the forward's thread spends a long lump: the
     GIL was free for it the whole time (a sleep would show the same; a Python spin would
