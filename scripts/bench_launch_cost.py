@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Where the emulated device's launch cost (`--emulate-launch-us`) lands.
+
+Runs the emulated forward of a model's host stand-in in this process, interleaving launch
+costs (0 and each asked one) round by round, and reports per asked cost:
+
+- `wall`: the forward's median wall time with the cost minus without it, per kernel
+  launched (the roofline's kernels: 10 a dense layer, 17 a sparse one, 3 for the head);
+- `cpu`: the lumps' own CPU time over the asked time (`LaunchCost.landed`);
+
+with `--busy-thread`, a Python thread spins beside the forward, as the scheduler does on a
+forward thread: `wall` then also holds the GIL waits after each lump, which a real launch
+pays too.
+
+    python scripts/bench_launch_cost.py --model Qwen2.5-0.5B --tokens 512 --costs 2,5,10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from mpprefill.memory.kv_cache import KVCache  # noqa: E402
+from mpprefill.model import ForwardBatch, ModelConfig  # noqa: E402
+from mpprefill.worker.emulated import EmulatedDevice, host_config, host_model  # noqa: E402
+from mpprefill.worker.roofline import (  # noqa: E402
+    KERNELS_PER_HEAD,
+    KERNELS_PER_LAYER,
+    KERNELS_PER_MOE_LAYER,
+    resolve_shape,
+)
+
+
+def _batch(tokens: int, per_request: int) -> ForwardBatch:
+    n = max(1, tokens // per_request)
+    ids = [[(7 * i + j) % 90 + 1 for j in range(per_request)] for i in range(n)]
+    prefix = [4 * per_request] * n
+    slots, base = [], 0
+    for p in prefix:
+        slots.append(list(range(base, base + p + per_request)))
+        base += p + per_request
+    return ForwardBatch.build(ids, prefix, slots)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="Qwen2.5-0.5B")
+    ap.add_argument("--tokens", type=int, default=512, help="new tokens in the batch")
+    ap.add_argument("--costs", default="2,5,10", help="launch costs to ask, us per kernel")
+    ap.add_argument("--forwards", type=int, default=20, help="forwards per cost per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--busy-thread", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    costs = [float(c) for c in args.costs.split(",")]
+    shape = resolve_shape(args.model)
+    model = host_model(host_config(ModelConfig.tiny(), args.model), seed=0)
+    fb = _batch(args.tokens, 205)
+    kv = KVCache.for_model(model.config, fb.out_cache_loc.numel() + sum(fb.prefix_lens_cpu) + 64)
+    kernels = KERNELS_PER_HEAD + sum(
+        KERNELS_PER_MOE_LAYER if shape.is_sparse(i) else KERNELS_PER_LAYER
+        for i in range(shape.num_layers)
+    )
+    devices = {c: EmulatedDevice(shape, "h200", launch_us=c) for c in [0.0, *costs]}
+    stop = threading.Event()
+    if args.busy_thread:
+
+        def spin():
+            n = 0
+            while not stop.is_set():
+                n += 1
+
+        threading.Thread(target=spin, daemon=True).start()
+    times: dict[float, list[float]] = {c: [] for c in devices}
+    try:
+        for _ in range(args.rounds):
+            for cost, dev in devices.items():
+                for _ in range(args.forwards):
+                    start = time.perf_counter()
+                    dev.forward(model, fb, kv)
+                    times[cost].append(time.perf_counter() - start)
+    finally:
+        stop.set()
+    base = statistics.median(times[0.0])
+    print(
+        f"{args.model}, {fb.batch_size} requests, {fb.num_tokens} new tokens, {kernels} kernels "
+        f"a forward, {'a busy Python thread beside it' if args.busy_thread else 'alone'}"
+    )
+    print(f"no launch cost: {base * 1e3:.2f} ms a forward (median)")
+    print(
+        f"{'asked us':>9} {'forward ms':>10} {'wall us/kernel':>14} {'wall/asked':>10} "
+        f"{'cpu/asked':>9}"
+    )
+    for cost in costs:
+        med = statistics.median(times[cost])
+        per_kernel = (med - base) / kernels * 1e6
+        landed = devices[cost].launch.landed()
+        print(
+            f"{cost:9.1f} {med * 1e3:10.2f} {per_kernel:14.2f} {per_kernel / cost:10.2f} "
+            f"{landed:9.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
