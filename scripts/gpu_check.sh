@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, under 8 minutes on one GPU (each phase has its own time limit): the GPU-marked
+# GPU check, under 11 minutes on one GPU (each phase has its own time limit): the GPU-marked
 # tests, then a short six-mode bench and a pinned vs cuda-ipc staging comparison on a random
 # model big enough that a forward takes milliseconds. Usage: scripts/gpu_check.sh OUTDIR
 #
@@ -7,7 +7,8 @@
 # dependencies are pip-installed; on a machine without network set PIP_ARGS, e.g.
 # PIP_ARGS="--no-index --find-links /path/to/wheels". PYTHON picks the interpreter.
 # OUTDIR gets: gpu_check.log, gpu_tests.xml, bench.json, staging.json, summary.txt and the
-# bench's server and decode logs (bench_logs/).
+# bench's server and decode logs (bench_logs/), calibration.json (the emulated device's
+# roofline against measured device times).
 set -uo pipefail
 OUT="${1:?usage: scripts/gpu_check.sh OUTDIR}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -84,9 +85,14 @@ phase "staging: pinned vs cuda-ipc (proc, proc-ahead)"
 timeout 70 "$PY" -m tests.gpu.staging_bench --model "$MODEL" --json "$OUT/staging.json"
 RC[staging]=$?
 
+phase "emulation calibration: real shapes in bfloat16 against the roofline"
+timeout 180 "$PY" scripts/calibrate_emulation.py --models Qwen2.5-0.5B,Llama-3.1-8B \
+    --tokens 512,2048,8192,16384 --forwards 5 --json "$OUT/calibration.json"
+RC[calibration]=$?
+
 phase "done"
 status=0
-for k in tests model bench staging; do
+for k in tests model bench staging calibration; do
     echo "$k: rc=${RC[$k]}" | tee -a "$OUT/summary.txt"
     [ "${RC[$k]}" -eq 0 ] || status=1
 done
