@@ -6,11 +6,14 @@ costs (0 and each asked one) round by round, and reports per asked cost:
 
 - `wall`: the forward's median wall time with the cost minus without it, per kernel
   launched (the roofline's kernels: 10 a dense layer, 17 a sparse one, 3 for the head);
+- `lump`: the lumps' own wall time over the asked time (each `spend` call timed);
 - `cpu`: the lumps' own CPU time over the asked time (`LaunchCost.landed`);
 
-with `--busy-thread`, a Python thread spins beside the forward, as the scheduler does on a
-forward thread: `wall` then also holds the GIL waits after each lump, which a real launch
-pays too.
+`wall` exceeds `lump` by what the lumps cost the stand-in's own ops after them (their
+caches), as a driver's work between a real forward's ops would.
+
+run on an otherwise idle host (beside a busy Python thread every op of the stand-in, not
+only the lumps, waits for the GIL, and the difference says nothing of the lumps).
 
     python scripts/bench_launch_cost.py --model Qwen2.5-0.5B --tokens 512 --costs 2,5,10
 """
@@ -20,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -50,6 +52,17 @@ def _batch(tokens: int, per_request: int) -> ForwardBatch:
     return ForwardBatch.build(ids, prefix, slots)
 
 
+def _timed(spend, total: list[float]):
+    """`spend`, adding each call's wall seconds to total[0]."""
+
+    def timed(kernels: int) -> None:
+        start = time.perf_counter()
+        spend(kernels)
+        total[0] += time.perf_counter() - start
+
+    return timed
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="Qwen2.5-0.5B")
@@ -57,7 +70,6 @@ def main() -> int:
     ap.add_argument("--costs", default="2,5,10", help="launch costs to ask, us per kernel")
     ap.add_argument("--forwards", type=int, default=20, help="forwards per cost per round")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--busy-thread", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     costs = [float(c) for c in args.costs.split(",")]
@@ -70,42 +82,35 @@ def main() -> int:
         for i in range(shape.num_layers)
     )
     devices = {c: EmulatedDevice(shape, "h200", launch_us=c) for c in [0.0, *costs]}
-    stop = threading.Event()
-    if args.busy_thread:
-
-        def spin():
-            n = 0
-            while not stop.is_set():
-                n += 1
-
-        threading.Thread(target=spin, daemon=True).start()
+    lump_s = {c: [0.0] for c in costs}
+    for cost in costs:
+        devices[cost].launch.spend = _timed(devices[cost].launch.spend, lump_s[cost])
     times: dict[float, list[float]] = {c: [] for c in devices}
-    try:
-        for _ in range(args.rounds):
-            for cost, dev in devices.items():
-                for _ in range(args.forwards):
-                    start = time.perf_counter()
-                    dev.forward(model, fb, kv)
-                    times[cost].append(time.perf_counter() - start)
-    finally:
-        stop.set()
+    for _ in range(args.rounds):
+        for cost, dev in devices.items():
+            for _ in range(args.forwards):
+                start = time.perf_counter()
+                dev.forward(model, fb, kv)
+                times[cost].append(time.perf_counter() - start)
     base = statistics.median(times[0.0])
     print(
         f"{args.model}, {fb.batch_size} requests, {fb.num_tokens} new tokens, {kernels} kernels "
-        f"a forward, {'a busy Python thread beside it' if args.busy_thread else 'alone'}"
+        "a forward"
     )
     print(f"no launch cost: {base * 1e3:.2f} ms a forward (median)")
     print(
         f"{'asked us':>9} {'forward ms':>10} {'wall us/kernel':>14} {'wall/asked':>10} "
-        f"{'cpu/asked':>9}"
+        f"{'lump/asked':>10} {'cpu/asked':>9}"
     )
     for cost in costs:
         med = statistics.median(times[cost])
         per_kernel = (med - base) / kernels * 1e6
-        landed = devices[cost].launch.landed()
+        launch = devices[cost].launch
+        landed = launch.landed()
+        lump = lump_s[cost][0] / launch.asked_s
         print(
             f"{cost:9.1f} {med * 1e3:10.2f} {per_kernel:14.2f} {per_kernel / cost:10.2f} "
-            f"{landed:9.2f}"
+            f"{lump:10.2f} {landed:9.2f}"
         )
     return 0
 
