@@ -27,7 +27,7 @@ from __future__ import annotations
 import errno
 import socket
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -116,6 +116,16 @@ def listen_socket(host: str, listen: Listen) -> socket.socket:
             sock.close()
         raise PortUnavailable(listen, host, e.errno, e.strerror) from None
     return sock
+
+
+def listen_or_close(host: str, listen: Listen, close: Callable[[], None]) -> socket.socket:
+    """`listen_socket`, calling `close` first where the port was taken since the check at
+    the start (what the server started must not outlive the failure)."""
+    try:
+        return listen_socket(host, listen)
+    except PortUnavailable:
+        close()
+        raise
 
 
 def check_free(host: str, listens: Iterable[Listen]) -> None:

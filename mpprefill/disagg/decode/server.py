@@ -122,11 +122,7 @@ class DecodeServer:
     def _start_front(self) -> None:
         """The HTTP front, on the port bound here; a port taken since the check at the
         start closes what started."""
-        try:
-            listener = ports.listen_socket(self.args.host, self.args.http_listen)
-        except ports.PortUnavailable:
-            self.close()
-            raise
+        listener = ports.listen_or_close(self.args.host, self.args.http_listen, self.close)
         self.front = HttpFrontProcess(self.args, self.zmq_port, listener)
 
     @staticmethod
