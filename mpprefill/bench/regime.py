@@ -52,15 +52,15 @@ def binding_term(run: dict) -> str:
     return TERMS[max(TERMS, key=lambda k: run[k])]
 
 
-def ratio(results: dict, a: str, b: str) -> float | None:
-    by = {r["mode"]: r for r in results["runs"]}
-    if a not in by or b not in by:
-        return None
-    return by[a]["uncached_itps"] / by[b]["uncached_itps"]
-
-
 def run_of(result: dict, mode: str) -> dict | None:
     return {r["mode"]: r for r in result["runs"]}.get(mode)
+
+
+def ratio(results: dict, a: str, b: str) -> float | None:
+    run_a, run_b = run_of(results, a), run_of(results, b)
+    if run_a is None or run_b is None:
+        return None
+    return run_a["uncached_itps"] / run_b["uncached_itps"]
 
 
 def _panel(server: dict) -> str:

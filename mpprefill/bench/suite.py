@@ -9,7 +9,7 @@ import os
 import sys
 import tempfile
 
-from mpprefill.bench.regime import of_bound, plot_sensitivity_maps
+from mpprefill.bench.regime import of_bound, plot_sensitivity_maps, run_of
 from mpprefill.bench.replay import forward_bound, load_shapes
 from mpprefill.bench.runner import BenchConfig, run_mode
 from mpprefill.bench.workload import Workload, solve_for_hit_rate
@@ -405,8 +405,7 @@ def format_sweep(results: list[dict]) -> str:
         f"{'t_device':>8} {'t_sched':>8} {'busy':>5} {'gap':>6} {'of bnd':>6} {'pa/this':>7}",
     ]
     for res in results:
-        by = {r["mode"]: r for r in res["runs"]}
-        pa = by.get("proc-ahead")
+        pa = run_of(res, "proc-ahead")
         for r in res["runs"]:
             lines.append(
                 f"{res['config']['label']:>20} {r['mode']:>12} {r['uncached_itps']:13,.0f} "

@@ -47,8 +47,6 @@ from mpprefill.worker.device import HostStream
 from mpprefill.worker.roofline import (
     GPUS,
     KERNELS_PER_HEAD,
-    KERNELS_PER_LAYER,
-    KERNELS_PER_MOE_LAYER,
     DeviceClock,
     ModelShape,
     head_parts_s,
@@ -256,7 +254,7 @@ class EmulatedDevice:
         first: list[float] = []
 
         def on_layer(i: int) -> None:
-            self.launch.spend(KERNELS_PER_MOE_LAYER if kinds[i][1] else KERNELS_PER_LAYER)
+            self.launch.spend(self.shape.kernels_in_layer(i))
             layer_s = sum(layers[i])
             end = self.clock.issue(layer_s)
             if not first:

@@ -315,6 +315,15 @@ class ModelShape:
         """Whether layer `layer` attends only to its last `sliding_window` positions."""
         return layer in self.sliding_layers
 
+    def kernels_in_layer(self, layer: int) -> int:
+        """Kernels layer `layer` launches in the roofline: a sparse layer's or a dense one's."""
+        return KERNELS_PER_MOE_LAYER if self.is_sparse(layer) else KERNELS_PER_LAYER
+
+    @property
+    def kernels_per_forward(self) -> int:
+        """Kernels a forward launches: every layer's and the head's."""
+        return KERNELS_PER_HEAD + sum(self.kernels_in_layer(i) for i in range(self.num_layers))
+
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the mixture of experts."""
         if self.num_experts == 0 or layer in self.dense_layers:
