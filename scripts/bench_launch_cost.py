@@ -29,27 +29,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from calibrate_emulation import make_batch  # noqa: E402
 
 from mpprefill.memory.kv_cache import KVCache  # noqa: E402
-from mpprefill.model import ForwardBatch, ModelConfig  # noqa: E402
+from mpprefill.model import ModelConfig  # noqa: E402
 from mpprefill.worker.emulated import EmulatedDevice, host_config, host_model  # noqa: E402
-from mpprefill.worker.roofline import (  # noqa: E402
-    KERNELS_PER_HEAD,
-    KERNELS_PER_LAYER,
-    KERNELS_PER_MOE_LAYER,
-    resolve_shape,
-)
-
-
-def _batch(tokens: int, per_request: int) -> ForwardBatch:
-    n = max(1, tokens // per_request)
-    ids = [[(7 * i + j) % 90 + 1 for j in range(per_request)] for i in range(n)]
-    prefix = [4 * per_request] * n
-    slots, base = [], 0
-    for p in prefix:
-        slots.append(list(range(base, base + p + per_request)))
-        base += p + per_request
-    return ForwardBatch.build(ids, prefix, slots)
+from mpprefill.worker.roofline import resolve_shape  # noqa: E402
 
 
 def _timed(spend, total: list[float]):
@@ -75,16 +60,17 @@ def main() -> int:
     costs = [float(c) for c in args.costs.split(",")]
     shape = resolve_shape(args.model)
     model = host_model(host_config(ModelConfig.tiny(), args.model), seed=0)
-    fb = _batch(args.tokens, 205)
+    fb, _, _ = make_batch(args.tokens, model.config.vocab_size)
     kv = KVCache.for_model(model.config, fb.out_cache_loc.numel() + sum(fb.prefix_lens_cpu) + 64)
-    kernels = KERNELS_PER_HEAD + sum(
-        KERNELS_PER_MOE_LAYER if shape.is_sparse(i) else KERNELS_PER_LAYER
-        for i in range(shape.num_layers)
-    )
+    kernels = shape.kernels_per_forward
     devices = {c: EmulatedDevice(shape, "h200", launch_us=c) for c in [0.0, *costs]}
+    for dev in devices.values():  # warm-up: the lumps' calibration stays out of the timings
+        dev.forward(model, fb, kv)
     lump_s = {c: [0.0] for c in costs}
     for cost in costs:
-        devices[cost].launch.spend = _timed(devices[cost].launch.spend, lump_s[cost])
+        launch = devices[cost].launch
+        launch.asked_s = launch.spent_s = 0.0
+        launch.spend = _timed(launch.spend, lump_s[cost])
     times: dict[float, list[float]] = {c: [] for c in devices}
     for _ in range(args.rounds):
         for cost, dev in devices.items():
