@@ -20,34 +20,31 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from mpprefill.http import bodies
 from mpprefill.http.args import HttpArgs
+from mpprefill.http.chat_template import ChatTemplate
 from mpprefill.http.errors import HttpError, bad_request, error_body
 from mpprefill.http.link import FrameTooLarge, NoReply, RidInFlight, SchedulerLink
 from mpprefill.http.metrics import FrontMetrics
+from mpprefill.http.openai_serving import OpenAIServing
+from mpprefill.http.outputs import Delta, Output
+from mpprefill.http.responses import (
+    ClientGone,
+    FastJSONResponse,
+    error_event,
+    read_json,
+    sse,
+    until_disconnect,
+)
 from mpprefill.http.tokenizer import TextTokenizer
 from mpprefill.version import package_version
 
 logger = logging.getLogger(__name__)
-BIG_BODY_BYTES = 1 << 20  # bodies parsed on a thread, so the event loop keeps serving
 # what /server_info takes from the server's stats to its top level, as SGLang puts them
 SERVER_INFO_FIELDS = ("disaggregation_mode", "tp_size", "max_total_num_tokens")
-
-
-class FastJSONResponse(JSONResponse):
-    """Bodies through orjson: 3x faster to parse and 15x to write than the standard
-    library's for /generate's bodies (scripts/bench_http_json.py)."""
-
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its reply; its requests were aborted."""
 
 
 class HttpFront:
@@ -58,6 +55,19 @@ class HttpFront:
         self.tokenizer = tokenizer
         self.link: SchedulerLink | None = None
         self.metrics = FrontMetrics(args.model_path or "default")
+        self._context_length: int | None = None
+
+    async def read_body(self, request: Request) -> Any:
+        return await read_json(request, self.args.max_body_bytes)
+
+    async def context_length(self) -> int:
+        """The longest prompt plus output the server takes, as its stats say (asked once)."""
+        if self._context_length is None:
+            stats = await self._stats()
+            if not isinstance(stats.get("context_length"), int):
+                raise HttpError(500, "the server's stats give no context_length")
+            self._context_length = stats["context_length"]
+        return self._context_length
 
     async def start(self) -> None:
         self.link = SchedulerLink(self.args.zmq_address)
@@ -83,42 +93,73 @@ class HttpFront:
 
     async def _generate_all(self, items: list[bodies.GenerateItem], t0: float) -> list[dict]:
         """Every prompt's body in order; a batch with a failed prompt fails with the first."""
-        outs = await asyncio.gather(
-            *(self._generate_one(it, t0) for it in items), return_exceptions=True
-        )
+        results = await self.run_all(items, t0)
+        return [bodies.generate_body(r.item, r.output, r.meta, self.tokenizer) for r in results]
+
+    async def run_all(self, items: list[bodies.GenerateItem], t0: float) -> list[bodies.Result]:
+        """Every request's result in order; a failed one fails them all, with the first
+        error (the others are cancelled, and so aborted)."""
+        tasks = [asyncio.ensure_future(self.run(it, t0)) for it in items]
+        try:
+            outs = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for task in tasks:
+                task.cancel()
         error = next((o for o in outs if isinstance(o, BaseException)), None)
         if error is not None:
             raise error
         return list(outs)
 
-    async def _generate_one(
-        self, item: bodies.GenerateItem, t0: float, on_output: Callable | None = None
-    ) -> dict[str, Any]:
-        """SGLang's body for one prompt. With `on_output` the request streams: each partial
-        reply's tokens join the output so far, and `on_output(output_ids)` gets it."""
-        output: list[int] = []
-        first = []  # the time to first token, once seen
+    async def run(
+        self,
+        item: bodies.GenerateItem,
+        t0: float,
+        on_delta: Callable[[Output, Delta], None] | None = None,
+    ) -> bodies.Result:
+        """One request to its end. With `on_delta` it streams: each reply's new tokens (and
+        text) go to `on_delta(output, delta)` as they come; the last delta may be text alone
+        (what a stop string held back). A request with stop strings streams from the server
+        whatever the client asked, and is aborted there once one matched."""
+        output = bodies.new_output(item, self.tokenizer)
+        first: list[float] = []  # the time to first token, once seen
+        aborting: list[asyncio.Future] = []
 
-        def on_partial(reply: dict[str, Any]) -> None:
-            room = item.max_new_tokens - len(output)
-            new = reply.get("output_ids")
-            if room <= 0 or not isinstance(new, list) or not new:
+        def take(ids: Any, reply: dict[str, Any], offset: int = 0) -> None:
+            if not isinstance(ids, list):
                 return
-            output.extend(new[:room])
-            if not first:
+            delta = output.add(ids, reply, offset)
+            if delta is None:
+                return
+            if not first and delta.ids:
                 first.append(time.perf_counter() - t0)
                 self.metrics.ttft.observe(first[0])
-            on_output(list(output))
+            if on_delta is not None:
+                on_delta(output, delta)
+            if output.stopped and not aborting:
+                aborting.append(asyncio.ensure_future(self.link.abort(item.rid)))
 
+        def on_partial(reply: dict[str, Any]) -> None:
+            take(reply.get("output_ids"), reply)
+
+        streamed = on_delta is not None or bool(item.stops)
         try:
-            reply = await self._send(item, on_partial if on_output is not None else None)
-            latency = time.perf_counter() - t0
-            out = bodies.generate_reply(item, reply, latency, self.tokenizer)
+            reply = await self._send(item, on_partial if streamed else None)
+            if reply.get("status") == "done" and not output.stopped:
+                done_ids = reply.get("output_ids")
+                if not isinstance(done_ids, list):  # a server older than output_ids
+                    done_ids = [reply["first_token"]]
+                take(done_ids[len(output.ids) :], reply, len(output.ids))
+            meta = bodies.final_meta(item, output, reply)
         except HttpError:
             self.metrics.failed.inc()
             raise
-        self.metrics.on_done(out["meta_info"], latency, bool(first))
-        return out
+        rest = output.finish()
+        if rest and on_delta is not None:
+            on_delta(output, Delta([], rest))
+        latency = time.perf_counter() - t0
+        meta["e2e_latency"] = latency
+        self.metrics.on_done(meta, latency, bool(first))
+        return bodies.Result(item, output, meta)
 
     async def _send(self, item: bodies.GenerateItem, on_partial) -> dict[str, Any]:
         try:
@@ -146,13 +187,17 @@ class HttpFront:
         events: asyncio.Queue = asyncio.Queue()
 
         async def run(i: int, item: bodies.GenerateItem) -> None:
-            def on_output(ids: list[int]) -> None:
-                events.put_nowait((i, bodies.partial_body(item, ids, self.tokenizer)))
+            def on_delta(output: Output, delta: Delta) -> None:
+                if delta.ids:
+                    meta = bodies.partial_meta(item, output)
+                    body = bodies.generate_body(item, output, meta, self.tokenizer)
+                    events.put_nowait((i, body))
 
             try:
-                out = await self._generate_one(item, t0, on_output)
+                r = await self.run(item, t0, on_delta)
+                out = bodies.generate_body(item, r.output, r.meta, self.tokenizer)
             except Exception as e:
-                out = _error_event(e)
+                out = error_event(e)
             events.put_nowait((i, out))
             events.put_nowait((i, None))  # this prompt is over
 
@@ -279,60 +324,6 @@ async def _answer(request: Awaitable[dict[str, Any]]) -> dict[str, Any]:
         raise HttpError(503, str(e)) from None
 
 
-async def read_json(request: Request, limit: int, empty: Any = None) -> Any:
-    """The body as JSON (`empty` for no body, where given); 413 past `limit` bytes (read
-    no further), 400 if not JSON."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise HttpError(413, f"a body of {length} bytes is over the limit of {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HttpError(413, f"the body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    data = b"".join(chunks)
-    if not data and empty is not None:
-        return empty
-    try:
-        if size > BIG_BODY_BYTES:
-            return await asyncio.to_thread(orjson.loads, data)
-        return orjson.loads(data)
-    except (ValueError, RecursionError):  # orjson.JSONDecodeError is a ValueError
-        raise bad_request("the body is not JSON (or nests too deeply)") from None
-
-
-async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """`work`'s result; cancelled (ClientGone) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientGone
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def _error_event(e: Exception) -> dict[str, Any]:
-    if isinstance(e, HttpError):
-        return e.body()
-    logger.error("a streamed request failed", exc_info=e)
-    return error_body(500, f"internal error: {type(e).__name__}")
-
-
 def _control_response(reply: dict[str, Any]) -> Response:
     status = 200 if reply.get("success") else 400
     body = {"success": bool(reply.get("success")), "message": reply.get("message")}
@@ -341,8 +332,11 @@ def _control_response(reply: dict[str, Any]) -> Response:
     return FastJSONResponse(body, status)
 
 
-def build_app(args: HttpArgs, tokenizer: TextTokenizer | None) -> FastAPI:
+def build_app(
+    args: HttpArgs, tokenizer: TextTokenizer | None, template: ChatTemplate | None = None
+) -> FastAPI:
     front = HttpFront(args, tokenizer)
+    openai = OpenAIServing(front, template, args.served_model_name or args.model_path or "default")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -355,6 +349,9 @@ def build_app(args: HttpArgs, tokenizer: TextTokenizer | None) -> FastAPI:
     app = FastAPI(title="mpprefill", lifespan=lifespan)
     app.state.front = front
     _add_routes(app, front)
+    app.add_api_route("/v1/models", openai.models, methods=["GET"])
+    app.add_api_route("/v1/completions", openai.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", openai.chat_completions, methods=["POST"])
     _add_error_handlers(app)
     return app
 

@@ -17,6 +17,15 @@ class HttpArgs:
         None, "the served model's dir; its tokenizer.json turns text into ids and back"
     )
     tokenizer_path: str | None = _f(None, "tokenizer dir (default: --model-path)")
+    served_model_name: str | None = _f(
+        None,
+        "the model's name in the OpenAI routes' replies and /v1/models (default: --model-path)",
+    )
+    chat_template: str | None = _f(
+        None,
+        "the chat template for /v1/chat/completions: a jinja file or the template itself"
+        " (default: the model dir's chat_template.jinja or tokenizer_config.json's)",
+    )
     skip_tokenizer_init: bool = _f(
         False, "ids only: no tokenizer, `text` input refused (the default without a model dir)"
     )

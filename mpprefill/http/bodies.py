@@ -2,15 +2,19 @@
 and the scheduler's replies as SGLang's response bodies.
 
 A body is one request or a batch: `text` a list of strings, or `input_ids` a list of
-lists. In a batch, `rid` is a list (one per prompt), and `sampling_params` and the
-`bootstrap_*` fields are lists or one value for every prompt. Unknown fields, and unknown
-`sampling_params` keys, are ignored, as SGLang does; those the scheduler's protocol does not
-carry (`skip_special_tokens`, `return_logprob`, ...) as well.
+lists. In a batch, `rid` is a list (one per prompt), and `sampling_params`, the
+`bootstrap_*` fields and the logprob fields are lists or one value for every prompt.
+Unknown top-level fields are ignored, as SGLang does; a `sampling_params` key is either
+done (by the servers: the protocol's keys; by this front: `stop`, `no_stop_trim`,
+`skip_special_tokens`, `max_new_tokens`) or refused with a 400 naming it: an unknown key,
+or one this server does not implement (`regex`, `json_schema`, `ebnf`, `n` above 1, ...).
 
 The output is the server's: the done reply's `output_ids` (a prefill server's one token,
-a decode server's every token), cut to `max_new_tokens` (0: none), its `finish_reason` and
-`completion_tokens`. A streamed prompt's partial replies add tokens to its output; each
-server-sent event carries the output so far, as SGLang's do.
+a decode server's every token), cut to `max_new_tokens` (0: none) or at a stop string, its
+`finish_reason` and `completion_tokens`, and with `return_logprob` each output token's
+logprob (`[logprob, token_id, text or null]`, SGLang's shape). A streamed prompt's partial
+replies add tokens to its output; each server-sent event carries the output so far, as
+SGLang's do.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 from mpprefill.http.errors import bad_request, from_reply, is_abort
 from mpprefill.http.link import Bootstrap
+from mpprefill.http.outputs import Output
 from mpprefill.http.tokenizer import TextTokenizer
 from mpprefill.sampling.params import SamplingParams
 from mpprefill.server.protocol import ABORTED, MAX_RID_CHARS, bootstrap_error
@@ -29,7 +34,26 @@ from mpprefill.server.protocol import ABORTED, MAX_RID_CHARS, bootstrap_error
 # SGLang's defaults where the protocol's differ (it samples at temperature 1 unless told).
 SGLANG_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
 SGLANG_MAX_NEW_TOKENS = 128
-_WIRE_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_WIRE_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# sampling_params keys this front does itself
+_FRONT_KEYS = frozenset(
+    ("max_new_tokens", "skip_special_tokens", "stop", "no_stop_trim", "sampling_seed")
+)
+# SGLang's keys no server here implements, with the value that asks for nothing: any other
+# value is refused.
+_NEUTRAL_KEYS = {
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "min_new_tokens": 0,
+    "n": 1,
+    "logit_bias": None,
+    "custom_params": None,
+    "spaces_between_special_tokens": True,
+    "stream_interval": None,
+}
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +67,9 @@ class GenerateItem:
     max_new_tokens: int  # SGLang's: 0 is allowed (no output token)
     skip_special_tokens: bool
     bootstrap: Bootstrap
+    stops: tuple[str, ...] = ()
+    no_stop_trim: bool = False
+    text_in_logprobs: bool = False  # /generate's return_text_in_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +88,10 @@ def parse_generate(body: Any) -> GenerateBody:
     rids = _rids(body.get("rid"), n, batch)
     params = _per_prompt(body, "sampling_params", n, batch)
     boots = zip(*(_per_prompt(body, f"bootstrap_{k}", n, batch) for k in ("room", "host", "port")))
+    logprobs = _logprob_fields(body, n, batch)
     items = [
-        _item(p, rid, sp, Bootstrap(*b)) for p, rid, sp, b in zip(prompts, rids, params, boots)
+        _item(p, rid, sp, Bootstrap(*b), lp)
+        for p, rid, sp, b, lp in zip(prompts, rids, params, boots, logprobs)
     ]
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -105,12 +134,16 @@ def _rids(rid: Any, n: int, batch: bool) -> list[str]:
     rids = rid if batch else [rid]
     if batch and (not isinstance(rid, list) or len(rid) != n):
         raise bad_request(f"rid must be a list of {n} strings for a batch of {n}")
+    check_rids(rids)
+    return rids
+
+
+def check_rids(rids: list[Any]) -> None:
     for r in rids:
         if not isinstance(r, str) or not 0 < len(r) <= MAX_RID_CHARS:
             raise bad_request(f"a rid must be a string of 1 to {MAX_RID_CHARS} characters")
-    if len(set(rids)) != n:
+    if len(set(rids)) != len(rids):
         raise bad_request("the rids of a batch must differ")
-    return rids
 
 
 def _per_prompt(body: dict, name: str, n: int, batch: bool) -> list[Any]:
@@ -123,27 +156,93 @@ def _per_prompt(body: dict, name: str, n: int, batch: bool) -> list[Any]:
     return value
 
 
-def _item(prompt: str | list[int], rid: str, sampling: Any, boot: Bootstrap) -> GenerateItem:
+def _logprob_fields(body: dict, n: int, batch: bool) -> list[tuple[bool, int, bool]]:
+    """(return_logprob, top_logprobs_num, return_text_in_logprobs) per prompt. Input
+    logprobs (`logprob_start_len` other than -1) are not implemented: 400."""
+    start = body.get("logprob_start_len")
+    if start is not None and start != -1:
+        raise bad_request("logprob_start_len: input logprobs are not supported (only -1)")
+    fields = []
+    for want, k, text in zip(
+        _per_prompt(body, "return_logprob", n, batch),
+        _per_prompt(body, "top_logprobs_num", n, batch),
+        _per_prompt(body, "return_text_in_logprobs", n, batch),
+    ):
+        if want is not None and not isinstance(want, bool):
+            raise bad_request("return_logprob must be a boolean")
+        if k is not None and (type(k) is not int or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise bad_request(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if text is not None and not isinstance(text, bool):
+            raise bad_request("return_text_in_logprobs must be a boolean")
+        fields.append((bool(want), k or 0, bool(text)))
+    return fields
+
+
+def _item(
+    prompt: str | list[int],
+    rid: str,
+    sampling: Any,
+    boot: Bootstrap,
+    logprobs: tuple[bool, int, bool] = (False, 0, False),
+) -> GenerateItem:
+    if sampling is not None and not isinstance(sampling, dict):
+        raise bad_request("sampling_params must be an object")
+    sampling = dict(sampling or {})
+    want, k, text_in_logprobs = logprobs
+    if want:
+        sampling.update(return_logprob=True, top_logprobs_num=k)
+    return make_item(prompt, rid, sampling, boot, text_in_logprobs)
+
+
+def make_item(
+    prompt: str | list[int],
+    rid: str,
+    sampling: dict[str, Any],
+    boot: Bootstrap,
+    text_in_logprobs: bool = False,
+) -> GenerateItem:
+    """One request from its SGLang `sampling_params`, every key checked."""
     why = bootstrap_error(boot.room, boot.host, boot.port)
     if why is not None:
         raise bad_request(why)
-    if sampling is not None and not isinstance(sampling, dict):
-        raise bad_request("sampling_params must be an object")
-    sampling = sampling or {}
+    _refuse_unsupported(sampling)
     max_new = sampling.get("max_new_tokens", SGLANG_MAX_NEW_TOKENS)
     if type(max_new) is not int or max_new < 0:
         raise bad_request("sampling_params.max_new_tokens must be a non-negative integer")
     text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
     skip = sampling.get("skip_special_tokens", True)
+    no_trim = sampling.get("no_stop_trim", False)
+    if not isinstance(skip, bool) or not isinstance(no_trim, bool):
+        raise bad_request("sampling_params.skip_special_tokens and no_stop_trim are booleans")
     wire = _wire_sampling(sampling, max_new)
-    return GenerateItem(rid, text, ids, wire, max_new, skip is not False, boot)
+    stops = _stops(sampling.get("stop"))
+    return GenerateItem(rid, text, ids, wire, max_new, skip, boot, stops, no_trim, text_in_logprobs)
+
+
+def _refuse_unsupported(sampling: dict[str, Any]) -> None:
+    for key, value in sampling.items():
+        if key in _WIRE_KEYS or key in _FRONT_KEYS:
+            continue
+        if key not in _NEUTRAL_KEYS:
+            raise bad_request(f"sampling_params.{key}: unknown field")
+        if value is not None and value != _NEUTRAL_KEYS[key]:
+            raise bad_request(f"sampling_params.{key} is not supported by this server")
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is None:
+        return ()
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("sampling_params.stop must be a non-empty string or a list of them")
+    return tuple(stops)
 
 
 def _wire_sampling(sampling: dict, max_new: int) -> dict[str, Any]:
     """The keys the protocol carries, over SGLang's defaults, checked as the scheduler
     checks them. NOTE: max_new_tokens 0 travels as 1: a server always samples one; the
     reply is cut to none."""
-    given = {k: sampling[k] for k in _WIRE_KEYS if sampling.get(k) is not None}
+    given = {k: v for k, v in sampling.items() if k in _WIRE_KEYS and v is not None}
     if "seed" not in given and sampling.get("sampling_seed") is not None:
         given["seed"] = sampling["sampling_seed"]
     given["max_new_tokens"] = max(1, max_new)
@@ -156,7 +255,9 @@ def _wire_sampling(sampling: dict, max_new: int) -> dict[str, Any]:
 
 
 def tokenize(items: list[GenerateItem], tokenizer: TextTokenizer | None) -> list[GenerateItem]:
-    """Every item with its input_ids; text needs a tokenizer."""
+    """Every item with its input_ids; text needs a tokenizer, and so do stop strings."""
+    if tokenizer is None and any(it.stops for it in items):
+        raise bad_request("stop strings need a tokenizer; this front has none")
     texts = [it.text for it in items if it.text is not None]
     if not texts:
         return items
@@ -171,58 +272,94 @@ def tokenize(items: list[GenerateItem], tokenizer: TextTokenizer | None) -> list
     return out
 
 
-def generate_reply(
-    item: GenerateItem, reply: dict[str, Any], latency: float, tokenizer: TextTokenizer | None
-) -> dict[str, Any]:
-    """SGLang's body for one prompt from the server's final reply (HttpError for an error;
-    a request /abort_request ended is a body with an "abort" finish reason). `text` is
-    there only with a tokenizer."""
-    if reply.get("status") == "done":
-        out_ids, finish, completion = _output(item, reply)
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A request that ended: its output and SGLang's meta_info for it."""
+
+    item: GenerateItem
+    output: Output
+    meta: dict[str, Any]
+
+
+def new_output(item: GenerateItem, tokenizer: TextTokenizer | None) -> Output:
+    return Output(
+        tokenizer, item.max_new_tokens, item.stops, item.no_stop_trim, item.skip_special_tokens
+    )
+
+
+def final_meta(item: GenerateItem, output: Output, reply: dict[str, Any]) -> dict[str, Any]:
+    """meta_info's counts and finish reason from the server's final reply, the output
+    (HttpError for an error; a request /abort_request ended is an "abort" finish). A
+    request this front aborted at a stop string ends well, whatever the server replied."""
+    status = reply.get("status")
+    prompt = len(item.input_ids or ())
+    if status == "done":
+        finish = output.finish_reason(reply.get("finish_reason"))
         prompt, cached = reply["prompt_tokens"], reply["cached_tokens"]
-    elif reply.get("status") == "error" and is_abort(reply):
-        out_ids, finish, completion = [], {"type": "abort", "message": ABORTED}, 0
-        prompt, cached = len(item.input_ids or ()), 0
+    elif output.stopped and status == "error" and is_abort(reply):
+        finish, cached = output.finish_reason(None), 0
+    elif status == "error" and is_abort(reply):
+        return {
+            "id": item.rid,
+            "finish_reason": {"type": "abort", "message": ABORTED},
+            "prompt_tokens": prompt,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+        }
     else:
         raise from_reply(reply)
-    meta = {
+    return {
         "id": item.rid,
         "finish_reason": finish,
         "prompt_tokens": prompt,
-        "completion_tokens": completion,
+        "completion_tokens": len(output.ids),
         "cached_tokens": cached,
-        "e2e_latency": latency,
     }
-    return _body(item, out_ids, meta, tokenizer)
 
 
-def _output(item: GenerateItem, reply: dict[str, Any]) -> tuple[list[int], dict, int]:
-    """(output_ids, finish_reason, completion_tokens) of a done reply, cut to max_new_tokens."""
-    out_ids = reply.get("output_ids")
-    if not isinstance(out_ids, list):  # a server older than output_ids
-        out_ids = [reply["first_token"]]
-    if len(out_ids) > item.max_new_tokens:
-        out_ids = out_ids[: item.max_new_tokens]
-        return out_ids, {"type": "length", "length": len(out_ids)}, len(out_ids)
-    finish = reply.get("finish_reason") or {"type": "length", "length": len(out_ids)}
-    return out_ids, finish, reply.get("completion_tokens", len(out_ids))
-
-
-def partial_body(
-    item: GenerateItem, output_ids: list[int], tokenizer: TextTokenizer | None
+def generate_body(
+    item: GenerateItem, output: Output, meta: dict[str, Any], tokenizer: TextTokenizer | None
 ) -> dict[str, Any]:
-    """A streamed prompt's event before its last: the output so far, no finish reason."""
-    meta = {
+    """SGLang's body for one prompt, final (meta from final_meta) or partial (a streamed
+    prompt's event before its last: no finish reason). `text` is there only with a
+    tokenizer."""
+    aborted = (meta.get("finish_reason") or {}).get("type") == "abort"
+    ids = [] if aborted else list(output.ids)
+    meta = dict(meta)
+    if item.sampling_params.get("return_logprob") and not aborted:
+        meta.update(_sglang_logprobs(item, output, tokenizer))
+    body: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
+    if tokenizer is not None:
+        body = {"text": "" if aborted else output.text, **body}
+    return body
+
+
+def partial_meta(item: GenerateItem, output: Output) -> dict[str, Any]:
+    return {
         "id": item.rid,
         "finish_reason": None,
         "prompt_tokens": len(item.input_ids or ()),
-        "completion_tokens": len(output_ids),
+        "completion_tokens": len(output.ids),
     }
-    return _body(item, output_ids, meta, tokenizer)
 
 
-def _body(item: GenerateItem, out_ids: list[int], meta: dict, tokenizer) -> dict[str, Any]:
-    body: dict[str, Any] = {"output_ids": out_ids, "meta_info": meta}
-    if tokenizer is not None:
-        body = {"text": tokenizer.decode(out_ids, item.skip_special_tokens), **body}
-    return body
+def _sglang_logprobs(item: GenerateItem, output: Output, tokenizer) -> dict[str, Any]:
+    """`output_token_logprobs` as [logprob, id, text] and `output_top_logprobs` as a list of
+    them per token; the text only with return_text_in_logprobs and a tokenizer."""
+
+    def entry(logprob: float, token: int) -> list:
+        text = None
+        if item.text_in_logprobs and tokenizer is not None:
+            text = tokenizer.decode([token], False)
+        return [logprob, token, text]
+
+    meta: dict[str, Any] = {
+        "output_token_logprobs": [
+            entry(lp, t) for lp, t in zip(output.logprobs, output.ids, strict=False)
+        ]
+    }
+    if item.sampling_params.get("top_logprobs_num"):
+        meta["output_top_logprobs"] = [
+            [entry(lp, t) for t, lp in top] for top in output.top_logprobs
+        ]
+    return meta

@@ -37,6 +37,14 @@ CORPUS = [
     "numbers like 12 345 6789 and words like alpha beta gamma delta",
 ]
 
+# ChatML, as Qwen2's instruct checkpoints write it (the markers are plain text here)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 
 def save_checkpoint(path: Path, arch: str = "Qwen2ForCausalLM", seed: int = 0) -> Path:
     """`arch` with random weights (every tensor perturbed, so no weight is trivially zero),
@@ -73,6 +81,7 @@ def save_checkpoint(path: Path, arch: str = "Qwen2ForCausalLM", seed: int = 0) -
         "add_bos_token": arch.startswith(("Llama", "Mixtral")),
         "bos_token": "<s>",
         "eos_token": "</s>",
+        "chat_template": CHAT_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return path
@@ -104,3 +113,30 @@ def encode(path: Path, text: str) -> list[int]:
     from mpprefill.http.tokenizer import TextTokenizer
 
     return TextTokenizer(str(path)).encode([text])[0]
+
+
+def chat_ids(path: Path, messages: list[dict]) -> list[int]:
+    """transformers' prompt ids of a chat: the checkpoint's template, rendered and encoded
+    by its tokenizer as `apply_chat_template` does."""
+    transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def decode_text(path: Path, ids: list[int]) -> str:
+    """transformers' text of output ids, special tokens skipped."""
+    transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def reference_logprobs(path: Path, prompt: list[int], output: list[int]) -> list[torch.Tensor]:
+    """log_softmax of transformers' logits at each output token's position: row i is the
+    distribution output[i] was drawn from."""
+    transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval().float()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0]
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(output)]
+    return list(torch.log_softmax(rows.float(), dim=-1))

@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 
 from mpprefill.bench.procs import free_port, terminate
-from tests.e2e.checkpoint import encode, greedy_reference, save_checkpoint
+from tests.e2e.checkpoint import (
+    chat_ids,
+    decode_text,
+    encode,
+    greedy_reference,
+    reference_logprobs,
+    save_checkpoint,
+)
 
 pytest.importorskip("sglang_router", reason="needs the sglang-router package")
 pytest.importorskip("fastapi", reason="the HTTP fronts need the http extra")
@@ -228,3 +235,102 @@ def test_streamed_replies_end_with_the_greedy_completion(deployment, checkpoint)
     assert events, raw
     assert events[-1]["output_ids"] == expected
     assert events[-1]["meta_info"]["finish_reason"] is not None
+
+
+# ---- the OpenAI routes, through the router, with the official client ---------------------
+
+CHAT = [
+    {"role": "system", "content": "numbers like 12 345"},
+    {"role": "user", "content": "the prefill side computes the prompt"},
+]
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    openai = pytest.importorskip("openai", reason="needs the openai client")
+    return openai.OpenAI(
+        base_url=f"http://{HOST}:{deployment.router_port}/v1", api_key="none", max_retries=0
+    )
+
+
+@pytest.fixture(scope="module")
+def chat_reference(checkpoint):
+    """The chat's prompt ids, transformers' greedy completion of them and its text."""
+    ids = chat_ids(checkpoint, CHAT)
+    (out,) = greedy_reference(checkpoint, [ids], MAX_NEW)
+    return ids, out, decode_text(checkpoint, out)
+
+
+def test_openai_chat_plain_and_streamed_equal_transformers(client, checkpoint, chat_reference):
+    ids, out, text = chat_reference
+    model = client.models.list().data[0].id
+    assert model == str(checkpoint)
+    r = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=MAX_NEW, temperature=0
+    )
+    assert r.choices[0].message.content == text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("stop" if out[-1] == 2 else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(out))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=CHAT,
+            max_completion_tokens=MAX_NEW,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == text
+    assert len([d for d in deltas if d]) > 1  # it came in pieces
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] is not None
+    assert chunks[-1].usage.completion_tokens == len(out)
+
+
+def test_openai_text_completion_equals_transformers(client, checkpoint):
+    ids = encode(checkpoint, TEXTS[2])
+    (out,) = greedy_reference(checkpoint, [ids], 10)
+    r = client.completions.create(model="m", prompt=TEXTS[2], max_tokens=10, temperature=0)
+    assert r.choices[0].text == decode_text(checkpoint, out)
+    assert r.usage.completion_tokens == len(out)
+
+
+def test_a_stop_string_ends_the_text_before_it(client, chat_reference):
+    _, _, text = chat_reference
+    stop = text[4:7]
+    assert stop and text.index(stop) == 4, text  # the reference has it first at 4
+    r = client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=MAX_NEW, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].message.content == text[:4]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_n_choices_are_each_the_seeded_request_alone(client):
+    """n = 2 at temperature 1: choice i is the request with n = 1 and seed + i."""
+    common = dict(model="m", messages=CHAT, max_tokens=6, temperature=1.0)
+    both = client.chat.completions.create(n=2, seed=7, **common)
+    assert [c.index for c in both.choices] == [0, 1]
+    alone = [
+        client.chat.completions.create(seed=7 + i, **common).choices[0].message.content
+        for i in range(2)
+    ]
+    assert [c.message.content for c in both.choices] == alone
+
+
+def test_logprobs_equal_transformers_log_softmax(client, checkpoint, chat_reference):
+    ids, out, _ = chat_reference
+    r = client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    rows = reference_logprobs(checkpoint, ids, out[:6])
+    assert len(content) == len(rows) == 6
+    for entry, row, token in zip(content, rows, out, strict=True):
+        assert entry.logprob == pytest.approx(float(row[token]), abs=1e-3)
+        best = row.topk(3)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            best.values.tolist(), abs=1e-3
+        )
