@@ -26,6 +26,11 @@ class HttpArgs:
         "the chat template for /v1/chat/completions: a jinja file or the template itself"
         " (default: the model dir's chat_template.jinja or tokenizer_config.json's)",
     )
+    vocab_size: int | None = _f(
+        None,
+        "without --model-path: the built-in model's vocabulary, which sizes its byte-level"
+        " tokenizer (the servers pass it; absent: ids only)",
+    )
     skip_tokenizer_init: bool = _f(
         False, "ids only: no tokenizer, `text` input refused (the default without a model dir)"
     )
@@ -52,7 +57,7 @@ class HttpArgs:
 
     @property
     def resolved_tokenizer_path(self) -> str | None:
-        """Where the tokenizer is read from; None: ids only."""
+        """Where the tokenizer is read from; None: the built-in one, or ids only."""
         if self.skip_tokenizer_init:
             return None
         return self.tokenizer_path or self.model_path

@@ -33,6 +33,15 @@ class FrontSettings(Protocol):
     model_path: str | None
     tokenizer_path: str | None
     skip_tokenizer_init: bool
+    served_model_name: str | None
+    chat_template: str | None
+
+
+def builtin_vocab_size() -> int:
+    """The built-in model's vocabulary (its front sizes a byte-level tokenizer to it)."""
+    from mpprefill.model.config import ModelConfig
+
+    return ModelConfig.tiny().vocab_size
 
 
 def local_address(host: str, port: int) -> str:
@@ -52,9 +61,13 @@ def front_command(args: FrontSettings, zmq_port: int, listen_fd: int | None = No
     for flag, value in (
         ("--model-path", args.model_path),
         ("--tokenizer-path", args.tokenizer_path),
+        ("--served-model-name", args.served_model_name),
+        ("--chat-template", args.chat_template),
     ):
         if value is not None:
             cmd += [flag, value]
+    if args.model_path is None:
+        cmd += ["--vocab-size", str(builtin_vocab_size())]
     if args.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
     return cmd

@@ -13,6 +13,7 @@ import ipc
 from mpprefill import ports
 from mpprefill.flags import add_flags, from_namespace
 from mpprefill.http.args import HttpArgs
+from mpprefill.http.chat_template import ChatTemplate
 from mpprefill.http.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -20,15 +21,35 @@ GRACEFUL_SHUTDOWN_S = 5  # requests still waiting then are cancelled (and aborte
 
 
 def load_tokenizer(args: HttpArgs) -> TextTokenizer | None:
-    """The tokenizer, or None for ids only; a dir without tokenizer.json is an error."""
+    """The tokenizer, or None for ids only; a dir without tokenizer.json is an error.
+    Without a dir, the built-in model's byte-level tokenizer where its vocabulary is given."""
     path = args.resolved_tokenizer_path
     if path is None:
-        return None
+        if args.skip_tokenizer_init or args.vocab_size is None:
+            return None
+        return TextTokenizer.builtin(args.vocab_size)
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise SystemExit(
             f"no tokenizer.json in {path}: give --tokenizer-path or --skip-tokenizer-init"
         )
     return TextTokenizer(path)
+
+
+def load_chat_template(args: HttpArgs, tokenizer: TextTokenizer | None) -> ChatTemplate | None:
+    """--chat-template, else the model dir's, else the built-in tokenizer's; None without a
+    tokenizer (chat then answers 400). A template that cannot be read ends the front here."""
+    if tokenizer is None:
+        return None
+    try:
+        return ChatTemplate.load(tokenizer.path, args.chat_template, tokenizer.path is None)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--chat-template: {e}") from None
+
+
+def _tokenizer_name(tokenizer: TextTokenizer | None) -> str:
+    if tokenizer is None:
+        return "none (ids only)"
+    return tokenizer.path or "built-in byte-level"
 
 
 def listener(args: HttpArgs) -> socket.socket:
@@ -52,15 +73,16 @@ def run_http(args: HttpArgs) -> int:
     except ports.PortUnavailable as e:
         return ports.report(e, "python -m mpprefill.http")
     tokenizer = load_tokenizer(args)
+    template = load_chat_template(args, tokenizer)
     logger.info(
         "HTTP front on %s:%d for the scheduler at %s, tokenizer %s",
         args.host,
         args.port,
         args.zmq_address,
-        tokenizer.path if tokenizer else "none (ids only)",
+        _tokenizer_name(tokenizer),
     )
     config = uvicorn.Config(
-        build_app(args, tokenizer),
+        build_app(args, tokenizer, template),
         host=args.host,
         port=args.port,
         loop="asyncio",

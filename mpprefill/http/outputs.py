@@ -89,8 +89,10 @@ class Output:
     def _text_of(self, token: int) -> str:
         if self._detok is None:
             return ""
-        piece = self._detok.add([token])
-        if self._stops is None:
+        return self._through_stops(self._detok.add([token]))
+
+    def _through_stops(self, piece: str) -> str:
+        if self._stops is None or not piece:
             return piece
         emit, matched = self._stops.feed(piece)
         if matched is not None:
@@ -98,12 +100,14 @@ class Output:
         return emit
 
     def finish(self) -> str:
-        """The text held back for a stop string that did not come (the output is over)."""
-        if self._stops is None or self.stopped:
+        """The text held back at the end of the output: a character left incomplete, and
+        what could have begun a stop string that did not come."""
+        if self._detok is None or self.stopped:
             return ""
-        rest = self._stops.flush()
-        if self.text is not None:
-            self.text += rest
+        rest = self._through_stops(self._detok.flush())
+        if self._stops is not None and not self.stopped:
+            rest += self._stops.flush()
+        self.text += rest
         return rest
 
     def finish_reason(self, reply_reason: dict[str, Any] | None) -> dict[str, Any]:

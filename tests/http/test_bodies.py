@@ -11,7 +11,7 @@ from mpprefill.http.errors import HttpError
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_single_body_with_sglang_defaults_and_unknown_keys_ignored():
+def test_single_body_with_sglang_defaults_and_unknown_top_level_keys_ignored():
     body = bodies.parse_generate(
         {
             "input_ids": [1, 2, 3],
@@ -93,6 +93,15 @@ def test_text_without_a_tokenizer_is_400():
     assert e.value.status == 400 and "tokenizer" in e.value.message
 
 
+def _final_body(item, reply, latency, tokenizer) -> dict:
+    """The body the front answers a request with whose one reply is `reply`."""
+    output = bodies.new_output(item, tokenizer)
+    if reply.get("status") == "done":
+        output.add(reply.get("output_ids") or [reply["first_token"]], reply)
+    meta = {**bodies.final_meta(item, output, reply), "e2e_latency": latency}
+    return bodies.generate_body(item, output, meta, tokenizer)
+
+
 def _item(max_new: int = 128) -> bodies.GenerateItem:
     sampling = {"max_new_tokens": max_new}
     return bodies.parse_generate(
@@ -102,7 +111,7 @@ def _item(max_new: int = 128) -> bodies.GenerateItem:
 
 def test_done_reply_is_sglangs_body():
     reply = {"rid": "q", "status": "done", "first_token": 9, "prompt_tokens": 2, "cached_tokens": 1}
-    out = bodies.generate_reply(_item(), reply, 0.25, None)
+    out = _final_body(_item(), reply, 0.25, None)
     assert out == {
         "output_ids": [9],
         "meta_info": {
@@ -114,15 +123,15 @@ def test_done_reply_is_sglangs_body():
             "e2e_latency": 0.25,
         },
     }
-    assert bodies.generate_reply(_item(0), reply, 0.1, None)["output_ids"] == []
+    assert _final_body(_item(0), reply, 0.1, None)["output_ids"] == []
 
 
 def test_aborted_reply_is_an_abort_finish_and_other_errors_raise():
     aborted = {"rid": "q", "status": "error", "error": errors.ABORTED}
-    out = bodies.generate_reply(_item(), aborted, 0.1, None)
+    out = _final_body(_item(), aborted, 0.1, None)
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
     with pytest.raises(HttpError) as e:
-        bodies.generate_reply(
+        _final_body(
             _item(), {"rid": "q", "status": "error", "error": "overloaded"}, 0, None
         )
     assert e.value.status == 429
@@ -140,11 +149,11 @@ def test_a_decode_servers_output_is_the_done_replys_and_cut_to_max_new_tokens():
         "completion_tokens": 4,
         "finish_reason": {"type": "stop", "matched": 2},
     }
-    out = bodies.generate_reply(_item(), reply, 0.5, None)
+    out = _final_body(_item(), reply, 0.5, None)
     assert out["output_ids"] == [9, 8, 7, 2]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
     assert out["meta_info"]["completion_tokens"] == 4
-    cut = bodies.generate_reply(_item(2), reply, 0.5, None)
+    cut = _final_body(_item(2), reply, 0.5, None)
     assert cut["output_ids"] == [9, 8]
     assert cut["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
     assert cut["meta_info"]["completion_tokens"] == 2
@@ -166,13 +175,13 @@ def test_a_decode_servers_output_is_the_done_replys_and_cut_to_max_new_tokens():
 def test_an_error_replys_code_is_its_status(code, reason, status):
     reply = {"rid": "q", "status": "error", "error": reason, "code": code}
     with pytest.raises(HttpError) as e:
-        bodies.generate_reply(_item(), reply, 0, None)
+        _final_body(_item(), reply, 0, None)
     assert (e.value.status, e.value.message) == (status, reason)
 
 
 def test_code_499_is_an_abort_whatever_the_reason():
     reply = {"rid": "q", "status": "error", "error": "KV transfer failed: aborted", "code": 499}
-    out = bodies.generate_reply(_item(), reply, 0.1, None)
+    out = _final_body(_item(), reply, 0.1, None)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
 
 
@@ -196,3 +205,67 @@ def test_code_499_is_an_abort_whatever_the_reason():
 )
 def test_scheduler_errors_map_to_statuses(reason, status):
     assert errors.status_of(reason) == status
+
+
+@pytest.mark.parametrize(
+    ("sampling", "named"),
+    [
+        ({"regex": "a+"}, "regex"),
+        ({"json_schema": "{}"}, "json_schema"),
+        ({"ebnf": "root ::= 'a'"}, "ebnf"),
+        ({"n": 2}, "n"),
+        ({"min_new_tokens": 3}, "min_new_tokens"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["a", 3]}, "stop"),
+    ],
+)
+def test_a_sampling_key_not_done_is_400_naming_it(sampling, named):
+    with pytest.raises(HttpError) as e:
+        bodies.parse_generate({"input_ids": [1], "sampling_params": sampling})
+    assert e.value.status == 400 and named in e.value.message
+
+
+def test_neutral_values_of_unimplemented_keys_and_front_keys_are_taken():
+    sampling = {"n": 1, "regex": None, "min_new_tokens": 0, "stop": ["x"], "no_stop_trim": True}
+    (item,) = bodies.parse_generate({"input_ids": [1], "sampling_params": sampling}).items
+    assert (item.stops, item.no_stop_trim) == (("x",), True)
+    assert "stop" not in item.sampling_params and "n" not in item.sampling_params
+
+
+def test_input_logprobs_are_400_and_output_logprobs_travel():
+    with pytest.raises(HttpError) as e:
+        bodies.parse_generate({"input_ids": [1], "return_logprob": True, "logprob_start_len": 0})
+    assert e.value.status == 400 and "logprob_start_len" in e.value.message
+    body = bodies.parse_generate(
+        {"input_ids": [[1], [2]], "return_logprob": [True, False], "top_logprobs_num": 2}
+    )
+    a, b = body.items
+    assert (a.sampling_params["return_logprob"], a.sampling_params["top_logprobs_num"]) == (
+        True,
+        2,
+    )
+    assert "return_logprob" not in b.sampling_params
+
+
+def test_logprobs_in_sglangs_shape():
+    body = bodies.parse_generate(
+        {"input_ids": [4, 5], "return_logprob": True, "top_logprobs_num": 2, "rid": "q"}
+    )
+    (item,) = body.items
+    reply = {
+        "status": "done",
+        "first_token": 9,
+        "output_ids": [9, 8],
+        "prompt_tokens": 2,
+        "cached_tokens": 0,
+        "output_token_logprobs": [-0.5, -1.5],
+        "output_top_logprobs": [[[9, -0.5], [3, -2.0]], [[8, -1.5], [9, -1.6]]],
+    }
+    meta = _final_body(item, reply, 0.1, None)["meta_info"]
+    assert meta["output_token_logprobs"] == [[-0.5, 9, None], [-1.5, 8, None]]
+    assert meta["output_top_logprobs"] == [
+        [[-0.5, 9, None], [-2.0, 3, None]],
+        [[-1.5, 8, None], [-1.6, 9, None]],
+    ]
