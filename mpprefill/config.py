@@ -97,8 +97,14 @@ class ServerArgs:
     tokenizer_path: str | None = _f(
         None, "the HTTP front's tokenizer dir, with tokenizer.json (default: --model-path)"
     )
+    served_model_name: str | None = _f(
+        None, "the model's name in the OpenAI routes and /v1/models (default: --model-path)"
+    )
+    chat_template: str | None = _f(
+        None, "the chat template of /v1/chat/completions: a jinja file or the template itself"
+    )
     skip_tokenizer_init: bool = _f(
-        False, "the HTTP front takes and returns token ids only (the default without a model dir)"
+        False, "the HTTP front takes and returns token ids only (no tokenizer, no chat)"
     )
     decode_address: str | None = _f(None, "decode receiver address host:port (shm/mooncake)")
     device: str = _f(

@@ -44,7 +44,7 @@ from mpprefill.version import package_version
 
 logger = logging.getLogger(__name__)
 # what /server_info takes from the server's stats to its top level, as SGLang puts them
-SERVER_INFO_FIELDS = ("disaggregation_mode", "tp_size", "max_total_num_tokens")
+SERVER_INFO_FIELDS = ("disaggregation_mode", "tp_size", "max_total_num_tokens", "context_length")
 
 
 class HttpFront:

@@ -271,6 +271,7 @@ class PrefillServer:
             "disaggregation_mode": args.disaggregation_mode,
             "tp_size": args.tp_size,
             "max_total_num_tokens": self.scheduler.allocator.size,
+            "context_length": self.scheduler.context_len,
             **scheduler_stats(self.scheduler),
         }
         out["uptime_s"] = time.monotonic() - self.t_start

@@ -131,9 +131,7 @@ def test_aborted_reply_is_an_abort_finish_and_other_errors_raise():
     out = _final_body(_item(), aborted, 0.1, None)
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
     with pytest.raises(HttpError) as e:
-        _final_body(
-            _item(), {"rid": "q", "status": "error", "error": "overloaded"}, 0, None
-        )
+        _final_body(_item(), {"rid": "q", "status": "error", "error": "overloaded"}, 0, None)
     assert e.value.status == 429
 
 

@@ -61,6 +61,12 @@ class DecodeArgs:
         None, "model dir (its dims size the pool; it generates; --verify runs it)"
     )
     tokenizer_path: str | None = _f(None, "the HTTP front's tokenizer dir (default: the model's)")
+    served_model_name: str | None = _f(
+        None, "the model's name in the OpenAI routes and /v1/models (default: --model-path)"
+    )
+    chat_template: str | None = _f(
+        None, "the chat template of /v1/chat/completions: a jinja file or the template itself"
+    )
     skip_tokenizer_init: bool = _f(False, "the HTTP front takes and gives token ids only")
     max_running_requests: int = _f(64, "sequences in one decode step; more wait their turn")
     random_seed: int = _f(0, "seed of the built-in model's weights")
