@@ -155,7 +155,7 @@ class HttpFront:
             raise
         rest = output.finish()
         if rest and on_delta is not None:
-            on_delta(output, Delta([], rest))
+            on_delta(output, Delta([], rest, final=True))
         latency = time.perf_counter() - t0
         meta["e2e_latency"] = latency
         self.metrics.on_done(meta, latency, bool(first))
@@ -188,7 +188,7 @@ class HttpFront:
 
         async def run(i: int, item: bodies.GenerateItem) -> None:
             def on_delta(output: Output, delta: Delta) -> None:
-                if delta.ids:
+                if delta.ids and not delta.final:  # the last event carries the rest
                     meta = bodies.partial_meta(item, output)
                     body = bodies.generate_body(item, output, meta, self.tokenizer)
                     events.put_nowait((i, body))

@@ -26,6 +26,7 @@ class Delta:
     text: str
     logprobs: list[float] | None = None
     top_logprobs: list[list[list]] | None = None
+    final: bool = False  # from the request's last reply
 
 
 @dataclass(slots=True)
@@ -62,7 +63,8 @@ class Output:
 
     def add(self, ids: list[int], reply: dict[str, Any], offset: int = 0) -> Delta | None:
         """Take the tokens of a reply (`ids` are its output_ids from `offset` on); None when
-        nothing was added (the output is over, or the reply held no new token)."""
+        nothing was added (the output is over, or the reply held no new token). A done
+        reply's delta is `final`."""
         room = self.max_new_tokens - len(self.ids)
         if self.stopped or room <= 0 or not ids:
             return None
@@ -75,7 +77,7 @@ class Output:
             if self.stopped:
                 break
         self.ids.extend(kept)
-        delta = Delta(kept, text)
+        delta = Delta(kept, text, final=reply.get("status") == "done")
         if logprobs is not None:
             delta.logprobs = logprobs[: len(kept)]
             self.logprobs.extend(delta.logprobs)

@@ -59,14 +59,13 @@ def test_batch_input_ids_in_order(ids_front, expected_first):
     assert [o["meta_info"]["prompt_tokens"] for o in out] == [len(p) for p in PROMPTS]
 
 
-def test_unknown_fields_ignored_and_rid_generated(ids_front, expected_first):
+def test_unknown_top_level_fields_ignored_and_rid_generated(ids_front, expected_first):
     sampling = {
         **GREEDY,
         "max_new_tokens": 16,
         "stop_token_ids": [2],
         "ignore_eos": True,
         "frequency_penalty": 0.5,
-        "no_such_key": "x",
     }
     body = {
         "input_ids": PROMPTS[1],
