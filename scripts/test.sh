@@ -13,6 +13,7 @@ optional() {  # optional <import name> <pip requirement>
 optional transformers transformers
 optional mooncake.engine mooncake-transfer-engine-non-cuda
 optional sglang_router sglang-router
+optional openai openai
 # Two pytest workers by default: many tests wait on processes starting, stopping or timing
 # out, so two overlap well even on two cores; a file stays on one worker, so its module
 # fixtures start once. `-n 0` (or MPPREFILL_TEST_WORKERS=0) runs one.
