@@ -15,6 +15,7 @@ from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Flushed, Scheduler
 from mpprefill.worker.api import WorkerDied
+from mpprefill.worker.build import size_kv_pool
 from mpprefill.worker.factory import make_worker
 
 
@@ -41,13 +42,14 @@ class PrefillEngine:
         chunked_prefill_size: int = 512,
         **kwargs,
     ):
-        self.args = ServerArgs(
+        args = ServerArgs(
             model_path=model_path,
             forward_mode=forward_mode,
             page_size=page_size,
             chunked_prefill_size=chunked_prefill_size,
             **kwargs,
         )
+        self.args = size_kv_pool(args)
         self.mode = self.args.resolved_forward_mode
         self.worker, self.model_config = make_worker(self.args, self.mode)
         self.scheduler = Scheduler(self.args, self.model_config, self.worker, FakeTransfer())
