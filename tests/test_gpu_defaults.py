@@ -143,3 +143,24 @@ def test_the_flags_reach_the_sizing():
     assert (args.device, args.mem_fraction_static, args.max_total_tokens) == ("cuda", 0.7, None)
     with pytest.raises(ValueError, match="mem-fraction-static"):
         ServerArgs(mem_fraction_static=1.5)
+
+
+def test_the_memory_probe_asks_a_child_process():
+    import torch
+
+    from mpprefill.worker.device import device_memory
+
+    if torch.cuda.is_available():
+        free, total = device_memory(["cuda:0"])
+        assert 0 < free <= total
+        assert not torch.cuda.is_initialized()  # the child made the context, not this one
+    else:
+        with pytest.raises(RuntimeError, match="free memory of cuda:0"):
+            device_memory(["cuda:0"])
+
+
+def test_the_offline_engine_keeps_its_pool_default():
+    from mpprefill.engine import PrefillEngine
+
+    with PrefillEngine(forward_mode="normal") as eng:
+        assert eng.args.max_total_tokens == DEFAULT_MAX_TOTAL_TOKENS
