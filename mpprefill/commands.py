@@ -17,10 +17,12 @@ def _serve_args(ap: argparse.ArgumentParser) -> None:
 @command("serve", "prefill scheduler and its forward worker", _serve_args)
 def serve(args: argparse.Namespace) -> int:
     from mpprefill.server.server import run_serve
+    from mpprefill.worker.build import size_kv_pool
 
     try:
         server_args = from_namespace(ServerArgs, args)
         server_args.resolved_forward_mode  # noqa: B018 - validates the mode and env aliases
+        server_args = size_kv_pool(server_args)
     except ValueError as e:
         raise SystemExit(f"mpprefill serve: {e}") from None
     try:

@@ -12,11 +12,15 @@ from mpprefill.ports import Listen
 
 FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ahead")
 TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
-DEVICES = ("cpu", "cuda", "emulated")
+DEVICES = ("auto", "cpu", "cuda", "emulated")  # auto: cuda where torch sees one, else cpu
 EMULATE_GPUS = ("h100", "h200", "b200")
 EMULATE_ISSUES = ("model", "free")  # the emulated forward's host issue: the stand-in's, or none
 MAX_LAUNCH_US = 1000.0  # a launch of a millisecond is a stall, not a driver's cost
 MAX_SWITCH_INTERVAL_MS = 1000.0
+DEFAULT_MAX_TOTAL_TOKENS = (
+    16384  # the KV pool off CUDA, where --mem-fraction-static does not size it
+)
+DEFAULT_MEM_FRACTION_STATIC = 0.85
 # presets; or a config.json
 EMULATE_MODELS = (
     "Qwen2.5-0.5B",
@@ -74,7 +78,17 @@ class ServerArgs:
     page_size: int = _f(16, "tokens per KV page")
     chunked_prefill_size: int = _f(512, "max new tokens of one request per batch (-1: off)")
     max_running_requests: int = _f(64, "max requests in one prefill batch")
-    max_total_tokens: int = _f(16384, "KV pool capacity in tokens")
+    max_total_tokens: int | None = _f(
+        None,
+        "KV pool capacity in tokens; default: on CUDA, what --mem-fraction-static leaves for"
+        f" it; on the CPU and the emulated device, {DEFAULT_MAX_TOTAL_TOKENS}",
+    )
+    mem_fraction_static: float = _f(
+        DEFAULT_MEM_FRACTION_STATIC,
+        "fraction of the device's memory for the weights plus the KV pool (SGLang's meaning):"
+        " on CUDA without --max-total-tokens the pool takes what this leaves of the free"
+        " memory once the weights are counted; not used on the CPU or the emulated device",
+    )
     max_prefill_tokens: int = _f(4096, "max new tokens in one prefill batch")
     context_length: int | None = _f(None, "max prompt length (default: the model's)")
     disaggregation_transfer_backend: str = _f(
@@ -108,9 +122,10 @@ class ServerArgs:
     )
     decode_address: str | None = _f(None, "decode receiver address host:port (shm/mooncake)")
     device: str = _f(
-        "cpu",
-        "device of the forward worker; 'emulated' runs the model's code on the CPU at a tiny"
-        " width and charges device time from a roofline of --emulate-model on --emulate-gpu",
+        "auto",
+        "device of the forward worker; auto: cuda when torch sees a GPU, else cpu; 'emulated'"
+        " runs the model's code on the CPU at a tiny width and charges device time from a"
+        " roofline of --emulate-model on --emulate-gpu",
         choices=DEVICES,
     )
     emulate_model: str = _f(
@@ -211,6 +226,14 @@ class ServerArgs:
     )
 
     def __post_init__(self):
+        # NOTE: the one place `auto` and the CPU's pool default resolve, so every copy
+        # (dataclasses.replace, the forward process's rebuild) holds concrete values.
+        object.__setattr__(self, "device", resolve_device(self.device))
+        if self.max_total_tokens is None and not self.on_cuda:
+            object.__setattr__(self, "max_total_tokens", DEFAULT_MAX_TOTAL_TOKENS)
+        self._check()
+
+    def _check(self) -> None:
         if not self.forward_timeout > 0:
             raise ValueError(f"--forward-timeout must be positive, got {self.forward_timeout}")
         if self.tp_size < 1:
@@ -221,11 +244,15 @@ class ServerArgs:
             raise ValueError(f"--page-size must be a power of two >= 1, got {self.page_size}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
             raise ValueError("--chunked-prefill-size must be -1 or >= --page-size")
-        for name in ("max_running_requests", "max_total_tokens", "max_prefill_tokens"):
+        for name in ("max_running_requests", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        if self.max_total_tokens < self.page_size:
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError("--max-total-tokens must hold at least one page")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
+            )
         if self.host_store_size < 0:
             raise ValueError("--host-store-size must be >= 0 (0: off)")
         if self.host_store_size and self.disable_radix_cache:
@@ -320,6 +347,11 @@ class ServerArgs:
         return "cpu" if self.device == "emulated" else self.device
 
     @property
+    def on_cuda(self) -> bool:
+        """The worker's tensors live on a CUDA device."""
+        return self.torch_device.split(":")[0] == "cuda"
+
+    @property
     def device_label(self) -> str:
         """The device as bench tables and JSON name it."""
         if self.device == "emulated":
@@ -328,6 +360,11 @@ class ServerArgs:
 
     @property
     def num_pages(self) -> int:
+        if self.max_total_tokens is None:
+            raise ValueError(
+                "the KV pool is not sized: on CUDA give --max-total-tokens or size it from"
+                " free memory first (mpprefill.worker.build.size_kv_pool)"
+            )
         return self.max_total_tokens // self.page_size
 
     @property
@@ -349,6 +386,40 @@ class ServerArgs:
 
     def replace(self, **kw) -> ServerArgs:
         return dataclasses.replace(self, **kw)
+
+
+def resolve_device(device: str, cuda_available: bool | None = None) -> str:
+    """--device with `auto` made concrete: cuda when `cuda_available` (None: ask torch),
+    else cpu; any other name as given."""
+    if device != "auto":
+        return device
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    return "cuda" if cuda_available else "cpu"
+
+
+def kv_pool_tokens(
+    free: int, total: int, weights: int, per_token: int, fraction: float, page_size: int
+) -> int:
+    """Tokens of a KV pool sized as SGLang's --mem-fraction-static sizes it, whole pages.
+
+    The weights and the pool together may take `fraction` of the device's `total` bytes,
+    less what others hold already (`total - free`); the weights (`weights` bytes, not yet
+    loaded) come off that, and the pool takes the rest at `per_token` bytes a token:
+
+        pool = fraction * total - (total - free) - weights
+    """
+    budget = fraction * total - (total - free) - weights
+    tokens = int(budget // per_token) // page_size * page_size if budget > 0 else 0
+    if tokens < page_size:
+        raise ValueError(
+            f"--mem-fraction-static {fraction} leaves no KV pool: {free / 2**30:.2f} of"
+            f" {total / 2**30:.2f} GiB free, the weights take {weights / 2**30:.2f} GiB;"
+            " raise it or give --max-total-tokens"
+        )
+    return tokens
 
 
 def resolve_forward_mode(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpprefill.config import ServerArgs
+from mpprefill.config import DEFAULT_MAX_TOTAL_TOKENS, ServerArgs
 from mpprefill.disagg.sender import FakeTransfer
 from mpprefill.sampling.params import SamplingParams
 from mpprefill.scheduling.loops import LOOPS
@@ -31,7 +31,10 @@ class PrefillEngine:
     """`with PrefillEngine(...) as eng: outs = eng.prefill([[1, 2, 3]])`.
 
     `kwargs` are ServerArgs fields, e.g. `dtype="bfloat16"` (the weights and activations)
-    and `kv_cache_dtype` (the KV pool); logits come back float32 whatever they are."""
+    and `kv_cache_dtype` (the KV pool); logits come back float32 whatever they are. The
+    device is `auto` by default (CUDA where torch sees one); the KV pool holds
+    `max_total_tokens` (default 16,384 on every device: not sized from free memory, so
+    engines made one after another in a process all fit)."""
 
     def __init__(
         self,
@@ -41,6 +44,7 @@ class PrefillEngine:
         chunked_prefill_size: int = 512,
         **kwargs,
     ):
+        kwargs.setdefault("max_total_tokens", DEFAULT_MAX_TOTAL_TOKENS)
         self.args = ServerArgs(
             model_path=model_path,
             forward_mode=forward_mode,

@@ -4,8 +4,11 @@ that log their arguments: what reaches pip, `mpprefill bench`, pytest and apt-ge
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -108,3 +111,99 @@ def test_failed_rdma_install_does_not_stop_the_tests(tree):
     lines = run_script(tree, "test.sh", CDLL_RC="1", TOOL_RC="100")
     assert "apt-get update -qq" in lines
     assert lines[-1] == PYTEST
+
+
+# launch.sh's stub python: `import sglang_router` fails with $NO_ROUTER set; a server
+# (`-m ...`) logs its command line and runs until stopped; a health check logs and passes.
+LAUNCH_PYTHON = """#!/usr/bin/env bash
+case "$*" in *"import sglang_router"*) [ -z "${NO_ROUTER:-}" ] || exit 1 ;; esac
+echo "python $*" >> "$LOG"
+case "$*" in "-m pip"*) ;; "-m "*) exec sleep 60 ;; esac
+exit 0
+"""
+
+
+class Launched(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+    started: list[str]  # the servers' command lines, sorted (they log as they start)
+
+
+def run_launch(root: Path, *args: str, servers: int = 0, **env: str) -> Launched:
+    """launch.sh against stub servers; once `servers` of them run, SIGTERM to it."""
+    _exe(root / ".venv" / "bin" / "python", LAUNCH_PYTHON)
+    log, out, err = (root.parent / name for name in ("log", "out", "err"))
+    path = f"{root.parent / 'tools'}:/usr/bin:/bin"
+    env = {"PATH": path, "LOG": str(log), "HOME": str(root.parent), **env}
+    cmd = ["bash", str(root / "scripts" / "launch.sh"), *args]
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(cmd, env=env, stdout=o, stderr=e, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while servers and len(_servers(log)) < servers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while servers and not out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if servers:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return Launched(proc.returncode, out.read_text(), err.read_text(), sorted(_servers(log)))
+
+
+def _servers(log: Path) -> list[str]:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [ln for ln in lines if ln.startswith("python -m ") and " pip " not in ln]
+
+
+def test_launch_sh_ports_derive_from_port_and_shared_flags_reach_the_decodes(tree):
+    argv = ["--num-decodes", "2", "--port", "40000", "--model-path", "/m", "--page-size"]
+    argv += ["32", "--chunked-prefill-size", "256", "--log-level=warning"]
+    done = run_launch(tree, *argv, servers=4)
+    shared = "--model-path /m --page-size 32 --log-level warning --host 127.0.0.1"
+    decode = f"python -m mpprefill decode {shared} --port"
+    assert done.started == sorted(
+        [
+            f"{decode} 40002 --disaggregation-transfer-backend shm",
+            f"{decode} 40003 --disaggregation-transfer-backend shm",
+            f"python -m mpprefill serve {shared} --port 40001 --disaggregation-transfer-backend shm"
+            " --disaggregation-bootstrap-port 18999 --chunked-prefill-size 256",
+            "python -m sglang_router.launch_router --pd-disaggregation"
+            " --prefill http://127.0.0.1:40001 18999 --decode http://127.0.0.1:40002"
+            " --decode http://127.0.0.1:40003 --host 127.0.0.1 --port 40000"
+            " --prometheus-port 39000 --policy round_robin --log-level warn",
+        ]
+    )
+    curl, openai = done.stdout.splitlines()
+    assert curl.startswith("curl -s http://127.0.0.1:40000/generate ")
+    assert '"text": "The capital of France is"' in curl  # a --model-path has a tokenizer
+    assert 'base_url="http://127.0.0.1:40000/v1"' in openai
+    assert done.returncode == 0 and "[launch] stopping" in done.stderr  # SIGTERM
+
+
+def test_launch_sh_without_the_router_says_how_to_install_it(tree):
+    done = run_launch(tree, "--port", "40000", servers=2, NO_ROUTER="1")
+    assert "pip install sglang-router" in done.stderr
+    assert not [ln for ln in done.started if "sglang_router" in ln]
+    ports = [ln.split(" --port ")[1].split()[0] for ln in done.started]
+    assert ports == ["40002", "40001"]  # decode, serve
+    (line,) = done.stdout.splitlines()
+    assert '"input_ids": [1, 2, 3, 4, 5]' in line  # the built-in model: ids, no text
+    assert '"bootstrap_port": 18999' in line and "127.0.0.1:40002/generate" in line
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--num-decodes", "0"], "--num-decodes must be 1..98"),
+        (["--port", "20000"], "derives no bootstrap port"),
+        (["--port"], "--port needs a value"),
+    ],
+)
+def test_launch_sh_refuses_bad_launcher_flags(tree, argv, why):
+    done = run_launch(tree, *argv)
+    assert done.returncode == 2 and why in done.stderr and done.started == []

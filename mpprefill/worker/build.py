@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
+from collections.abc import Callable, Sequence
 
 import torch
 
-from mpprefill.config import ServerArgs
+from mpprefill.config import ServerArgs, kv_pool_tokens
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import CausalLM, ModelConfig
 from mpprefill.model.config import resolve_dtypes
+from mpprefill.model.families import build_model
 from mpprefill.model.loader import config_from_args, model_from_args
-from mpprefill.model.parallel import TPRank
+from mpprefill.model.parallel import TPRank, shard_config
+from mpprefill.worker.device import device_memory
 from mpprefill.worker.emulated import EmulatedDevice, EmulatedHostLink, host_config, host_model
 from mpprefill.worker.roofline import EMULATED_DTYPE, ModelShape, resolve_shape
 from mpprefill.worker.runner import ForwardRunner
+
+logger = logging.getLogger(__name__)
+_PER_TOKEN_PROBE = 1 << 20  # tokens of the pool whose bytes give the bytes per token
 
 
 def swa_slots(args: ServerArgs) -> int:
@@ -25,6 +33,58 @@ def swa_slots(args: ServerArgs) -> int:
 
 def num_kv_slots(args: ServerArgs) -> int:
     return args.num_pages * args.page_size
+
+
+def size_kv_pool(
+    args: ServerArgs, memory: Callable[[Sequence[str]], tuple[int, int]] = device_memory
+) -> ServerArgs:
+    """`args` with its KV pool sized: --max-total-tokens as given (or the CPU's default),
+    else, on CUDA, what --mem-fraction-static leaves of the devices' free memory once one
+    rank's weights are counted. `memory(devices)`: (free, total) bytes of the tightest."""
+    if args.max_total_tokens is not None:
+        return args
+    free, total = memory(rank_devices(args))
+    config = worker_model_config(args)
+    tp = TPRank(0, args.tp_size) if args.tp_size > 1 else None
+    weights, per_token = weight_bytes(config, tp), kv_bytes_per_token(args, config, tp)
+    frac = args.mem_fraction_static
+    tokens = kv_pool_tokens(free, total, weights, per_token, frac, args.page_size)
+    logger.info(
+        "KV pool: %d tokens (%.2f GiB) from --mem-fraction-static %.2f of %.2f GiB (%.2f GiB"
+        " free, weights %.2f GiB)",
+        tokens,
+        tokens * per_token / 2**30,
+        frac,
+        total / 2**30,
+        free / 2**30,
+        weights / 2**30,
+    )
+    return args.replace(max_total_tokens=tokens)
+
+
+def rank_devices(args: ServerArgs) -> list[str]:
+    """The CUDA devices the forward processes use: rank r on cuda:r in a group."""
+    if args.tp_size > 1:
+        return [f"cuda:{r}" for r in range(args.tp_size)]
+    return [args.torch_device]
+
+
+def weight_bytes(config: ModelConfig, tp: TPRank | None = None) -> int:
+    """Bytes of the model's weights (one rank's shard with `tp`), counted on the meta
+    device: no memory, no checkpoint read."""
+    model = build_model(config, device="meta", tp=tp)
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def kv_bytes_per_token(args: ServerArgs, config: ModelConfig, tp: TPRank | None = None) -> int:
+    """Bytes of the KV pool per token of --max-total-tokens (one rank's KV heads with
+    `tp`), the SWA pool's share included for sliding-window models."""
+    kv_cfg = config if tp is None else shard_config(config, tp)
+    probe = args.replace(max_total_tokens=_PER_TOKEN_PROBE)
+    shape = KVCache.model_storage_shape(kv_cfg, num_kv_slots(probe), swa_slots(probe))
+    itemsize = kv_dtype(args, kv_cfg).itemsize
+    return math.ceil(math.prod(shape) * itemsize / _PER_TOKEN_PROBE)
 
 
 def group_size(args: ServerArgs) -> int:

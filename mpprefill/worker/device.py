@@ -13,7 +13,10 @@ Everything else (which event is waited on before what) is the same on every row;
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -23,6 +26,9 @@ from ipc.events import GenEvent
 
 T = TypeVar("T")
 CLOCK_HZ = 1.5e9  # SM cycles per second assumed by device-side test sleeps
+_MEMORY_PROBE = (
+    "import json, sys, torch; print(json.dumps([torch.cuda.mem_get_info(d) for d in sys.argv[1:]]))"
+)
 
 
 @dataclass(frozen=True)  # NOTE: no slots: it crosses spawn by pickle, also on Python 3.10
@@ -58,6 +64,20 @@ class DevicePlan:
         if self.device == "cuda" and side == recorder == "worker":
             return "fenced"
         return "shm"
+
+
+def device_memory(devices: Sequence[str], timeout: float = 120.0) -> tuple[int, int]:
+    """(free, total) bytes of the CUDA device among `devices` with the least free memory.
+    Asked in a child process: a CUDA context made here would stay in this (the
+    scheduler's) process, holding device memory that pinned staging never needs."""
+    cmd = [sys.executable, "-c", _MEMORY_PROBE, *devices]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        why = done.stderr.strip()[-500:]
+        raise RuntimeError(f"could not read the free memory of {', '.join(devices)}: {why}")
+    pairs = json.loads(done.stdout.strip().splitlines()[-1])
+    free, total = min(pairs)
+    return int(free), int(total)
 
 
 class HostStream:

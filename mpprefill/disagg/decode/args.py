@@ -20,6 +20,7 @@ from mpprefill.flags import _f
 from mpprefill.http.child import WILDCARDS
 from mpprefill.ports import Listen
 
+DECODE_DEVICES = ("auto", "cpu", "cuda")
 RECEIVER_PORT = 30200  # --receiver-port without an HTTP front (--port 0)
 ZMQ_PORT = 30201  # --zmq-port without an HTTP front
 
@@ -81,6 +82,12 @@ class DecodeArgs:
         " for its stand-in model",
     )
     disaggregation_transfer_backend: str = _f("shm", "how KV arrives", choices=DECODE_BACKENDS)
+    device: str = _f(
+        "auto",
+        "where the decode generates: the CPU, as its KV pool is the host memory the prefills'"
+        " transfers write into (auto: cpu; a CUDA decode is not built, cuda is refused)",
+        choices=DECODE_DEVICES,
+    )
     register_timeout: float = _f(30.0, "seconds a registration may wait for free pages")
     max_queued_registrations: int = _f(4096, "registrations waiting for pages beyond this fail")
     waiting_timeout: float = _f(600.0, "seconds a room with pages may wait for all its KV")
@@ -91,6 +98,13 @@ class DecodeArgs:
     test_transfer_delay_every: int = _f(1, "test only: delay rooms whose number is a multiple")
 
     def __post_init__(self):
+        if self.device == "auto":  # NOTE: resolved once, here, as ServerArgs resolves it
+            object.__setattr__(self, "device", "cpu")
+        if self.device != "cpu":
+            raise ValueError(
+                f"--device {self.device}: the decode generates on the CPU (its KV pool is the"
+                " host memory the prefills' transfers write into); give --device auto or cpu"
+            )
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
             raise ValueError("--max-total-tokens must hold at least one page of --page-size")
         if self.disaggregation_transfer_backend not in DECODE_BACKENDS:

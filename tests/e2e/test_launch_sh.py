@@ -1,0 +1,215 @@
+"""scripts/launch.sh with the built-in model: the request line it prints works (its
+tokens are transformers' greedy ones on the same weights), Ctrl-C leaves no process
+behind, and a server that exits stops the rest with an exit status naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="the HTTP fronts need the http extra")
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
+MAX_NEW = 16  # the printed line's max_new_tokens
+PROMPT = [1, 2, 3, 4, 5]  # the printed line's input_ids (built-in model: no tokenizer)
+CHEAP = ["--log-level", "warning", "--max-total-tokens", "1024", "--forward-mode", "normal"]
+
+
+def deployment_ports(base: int, num_decodes: int) -> list[int]:
+    """Every port launch.sh's header says a deployment on `--port base` takes."""
+    servers = range(base, base + 2 + num_decodes)  # router, prefill, decodes
+    zmq = range(base + 101, base + 102 + num_decodes)
+    receivers = range(base + 202, base + 202 + num_decodes)
+    return [base - 1000, base + 1 - 21002, *servers, *zmq, *receivers]
+
+
+def free_base(num_decodes: int) -> int:
+    """A --port whose whole deployment's ports are free now."""
+    rng = random.Random()
+    for _ in range(50):
+        base = rng.randrange(31000, 60000)
+        if all(_free(p) for p in deployment_ports(base, num_decodes)):
+            return base
+    raise RuntimeError("no free block of ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def child_table() -> dict[int, list[int]]:
+    """Each process's children, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int) -> set[int]:
+    """`pid`'s processes below it."""
+    children = child_table()
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+class Launch:
+    """scripts/launch.sh in a subprocess, its output in a file."""
+
+    def __init__(self, *args: str):
+        self.log = tempfile.NamedTemporaryFile(prefix="mpp-launch-", suffix=".log")  # noqa: SIM115
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, MPPREFILL_PYTHON=sys.executable, PYTHONPATH=path)
+        cmd = ["bash", str(ROOT / "scripts" / "launch.sh"), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def output(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def wait_line(self, start: str, timeout: float = 240.0) -> str:
+        """The first printed line that starts with `start`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.output().splitlines():
+                if line.startswith(start):
+                    return line
+            assert self.proc.poll() is None, self.output()[-4000:]
+            time.sleep(0.3)
+        raise TimeoutError(self.output()[-4000:])
+
+    def wait_exit(self, timeout: float = 90.0) -> int:
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[int]:
+    """transformers' greedy completion of PROMPT on the built-in model's weights."""
+    transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
+    from mpprefill.model import ModelConfig
+    from mpprefill.model.loader import hf_state_dict, load_model
+
+    c = ModelConfig.tiny()
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config).eval().float()
+    model.load_state_dict(hf_state_dict(load_model(None, seed=0)))
+    x = torch.tensor([PROMPT])
+    with torch.no_grad():
+        y = model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False
+        )
+    return y[0, len(PROMPT) :].tolist()
+
+
+def run_line(line: str) -> dict:
+    """The printed request, run as printed; its JSON reply."""
+    done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_router_deployment_answers_the_printed_line_and_ctrl_c_stops_it(reference):
+    pytest.importorskip("sglang_router", reason="needs the sglang-router package")
+    base = free_base(2)
+    launch = Launch("--num-decodes", "2", "--port", str(base), *CHEAP)
+    try:
+        line = launch.wait_line("curl ")
+        assert f"http://127.0.0.1:{base}/generate" in line and '"input_ids"' in line
+        openai_line = launch.wait_line("python -c 'from openai")
+        assert f'base_url="http://127.0.0.1:{base}/v1"' in openai_line
+        pids = descendants(launch.proc.pid)
+        assert len(pids) >= 4  # router, prefill, two decodes (and what they started)
+        for _ in range(2):  # round robin: each decode once
+            reply = run_line(line)
+            assert reply["output_ids"] == reference, reply
+            assert reply["meta_info"]["completion_tokens"] == MAX_NEW
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.wait_exit() == 0, launch.output()[-4000:]
+        deadline = time.monotonic() + 10
+        while [p for p in pids if running(p)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if running(p)], launch.output()[-4000:]
+    finally:
+        launch.close()
+
+
+def test_without_the_router_the_line_does_its_part_and_a_death_stops_the_rest(reference):
+    base = free_base(1)
+    launch = Launch("--no-router", "--port", str(base), *CHEAP)
+    try:
+        line = launch.wait_line("B='")
+        reply = run_line(line)
+        assert reply["output_ids"] == reference, reply
+        pids = descendants(launch.proc.pid)
+        servers = child_table()[launch.proc.pid]  # the launcher's own children
+        (decode,) = [p for p in servers if " decode " in _cmdline(p)]
+        os.kill(decode, signal.SIGTERM)
+        assert launch.wait_exit() == 1
+        assert f"decode 1 (--port {base + 2}) exited" in launch.output()
+        deadline = time.monotonic() + 10
+        while [p for p in pids if running(p)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if running(p)], launch.output()[-4000:]
+    finally:
+        launch.close()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
