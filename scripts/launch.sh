@@ -28,8 +28,8 @@
 # printed line does the router's part by hand: one body with a bootstrap room, sent to
 # the first decode (whose reply is the generation) and to the prefill at once.
 #
-# The built-in model has no tokenizer, so without --model-path the printed request sends
-# `input_ids`; with one, `text`.
+# The printed request sends `text`: the model's tokenizer, or without --model-path the
+# built-in model's byte-level one.
 # MPPREFILL_PYTHON=/path/to/python runs that interpreter's mpprefill, with no set-up.
 source "$(dirname "$0")/_env.sh"
 if [ -n "${MPPREFILL_PYTHON:-}" ]; then
@@ -233,12 +233,8 @@ for i in "${!PIDS[@]}"; do
     wait_ready "${NAMES[$i]}" "http://$CLIENT_HOST:${PORTS[$i]}/health"
 done
 
-PROMPT='"input_ids": [1, 2, 3, 4, 5]'
-OPENAI_PROMPT='[1, 2, 3, 4, 5]'
-if [ -n "$MODEL" ]; then
-    PROMPT='"text": "The capital of France is"'
-    OPENAI_PROMPT='"The capital of France is"'
-fi
+PROMPT='"text": "The capital of France is"'
+OPENAI_PROMPT='"The capital of France is"'
 PARAMS='"sampling_params": {"temperature": 0, "max_new_tokens": 16}'
 JSON="-H 'Content-Type: application/json'"
 if [ "$ROUTER" = yes ]; then
@@ -255,8 +251,10 @@ if [ "$ROUTER" = yes ]; then
     URL="http://$CLIENT_HOST:$PORT"
     say "ready: router $URL, prefill :$PREFILL_PORT, $NUM_DECODES decode(s) from :$((PREFILL_PORT + 1))"
     echo "curl -s $URL/generate $JSON -d '{$PROMPT, $PARAMS}'"
-    echo "python -c 'from openai import OpenAI; c = OpenAI(base_url=\"$URL/v1\", api_key=\"none\");" \
-        "print(c.completions.create(model=\"default\", prompt=$OPENAI_PROMPT, max_tokens=16))'"
+    "$PY" -c "import openai" 2>/dev/null || say "the openai line needs the client: $PY -m pip install openai"
+    echo "$PY -c 'from openai import OpenAI; c = OpenAI(base_url=\"$URL/v1\", api_key=\"none\");" \
+        "print(c.completions.create(model=\"default\", prompt=$OPENAI_PROMPT, max_tokens=16," \
+        "temperature=0).choices[0].text)'"
 elif [ "$BACKEND" = fake ]; then
     URL="http://$CLIENT_HOST:$PREFILL_PORT"
     say "ready: the prefill alone on $URL (fake transfer: each reply is the first token)"

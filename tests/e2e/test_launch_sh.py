@@ -4,6 +4,7 @@ behind, and a server that exits stops the rest with an exit status naming it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -22,7 +23,7 @@ pytest.importorskip("fastapi", reason="the HTTP fronts need the http extra")
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
 MAX_NEW = 16  # the printed line's max_new_tokens
-PROMPT = [1, 2, 3, 4, 5]  # the printed line's input_ids (built-in model: no tokenizer)
+PROMPT_TEXT = "The capital of France is"  # the printed lines' prompt
 CHEAP = ["--log-level", "warning", "--max-total-tokens", "1024", "--forward-mode", "normal"]
 
 
@@ -125,9 +126,18 @@ class Launch:
         self.log.close()
 
 
+def prompt_ids() -> list[int]:
+    """The printed prompt as the built-in byte-level tokenizer encodes it."""
+    from mpprefill.http.tokenizer import TextTokenizer
+    from mpprefill.model import ModelConfig
+
+    return TextTokenizer.builtin(ModelConfig.tiny().vocab_size).encode([PROMPT_TEXT])[0]
+
+
 @pytest.fixture(scope="module")
 def reference() -> list[int]:
-    """transformers' greedy completion of PROMPT on the built-in model's weights."""
+    """transformers' greedy completion of the printed prompt on the built-in model's
+    weights."""
     transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
     from mpprefill.model import ModelConfig
     from mpprefill.model.loader import hf_state_dict, load_model
@@ -147,12 +157,20 @@ def reference() -> list[int]:
     )
     model = transformers.LlamaForCausalLM(config).eval().float()
     model.load_state_dict(hf_state_dict(load_model(None, seed=0)))
-    x = torch.tensor([PROMPT])
+    prompt = prompt_ids()
+    x = torch.tensor([prompt])
     with torch.no_grad():
         y = model.generate(
             x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False
         )
-    return y[0, len(PROMPT) :].tolist()
+    return y[0, len(prompt) :].tolist()
+
+
+def builtin_text(ids: list[int]) -> str:
+    from mpprefill.http.tokenizer import TextTokenizer
+    from mpprefill.model import ModelConfig
+
+    return TextTokenizer.builtin(ModelConfig.tiny().vocab_size).decode(ids)
 
 
 def run_line(line: str) -> dict:
@@ -168,8 +186,8 @@ def test_the_router_deployment_answers_the_printed_line_and_ctrl_c_stops_it(refe
     launch = Launch("--num-decodes", "2", "--port", str(base), *CHEAP)
     try:
         line = launch.wait_line("curl ")
-        assert f"http://127.0.0.1:{base}/generate" in line and '"input_ids"' in line
-        openai_line = launch.wait_line("python -c 'from openai")
+        assert f"http://127.0.0.1:{base}/generate" in line and '"text"' in line
+        openai_line = launch.wait_line(" -c 'from openai")
         assert f'base_url="http://127.0.0.1:{base}/v1"' in openai_line
         pids = descendants(launch.proc.pid)
         assert len(pids) >= 4  # router, prefill, two decodes (and what they started)
@@ -177,6 +195,12 @@ def test_the_router_deployment_answers_the_printed_line_and_ctrl_c_stops_it(refe
             reply = run_line(line)
             assert reply["output_ids"] == reference, reply
             assert reply["meta_info"]["completion_tokens"] == MAX_NEW
+        if importlib.util.find_spec("openai") is not None:
+            done = subprocess.run(
+                ["bash", "-c", openai_line], capture_output=True, text=True, timeout=120
+            )
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.rstrip("\n") == builtin_text(reference), done.stdout
         launch.proc.send_signal(signal.SIGINT)
         assert launch.wait_exit() == 0, launch.output()[-4000:]
         deadline = time.monotonic() + 10
