@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from mpprefill.sampling.info import PACKED_FIELDS, SamplingBatchInfo
+from mpprefill.sampling.info import PACKED_FIELDS, TENSOR_FIELDS, SamplingBatchInfo
 from mpprefill.sampling.params import SamplingParams
 
 VOCAB = 32
@@ -52,9 +52,9 @@ def test_copy_for_forward_shares_tensors() -> None:
 def test_pack_round_trip() -> None:
     info = _info()
     packed = info.to_tensors()
-    assert list(packed) == list(PACKED_FIELDS)
+    assert list(packed) == list(TENSOR_FIELDS)
     back = SamplingBatchInfo.from_tensors(packed)
-    for name in PACKED_FIELDS:
+    for name in TENSOR_FIELDS:
         assert torch.equal(getattr(back, name), getattr(info, name))
     assert back.all_greedy == info.all_greedy
 
