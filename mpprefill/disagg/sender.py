@@ -74,12 +74,17 @@ class FakeSender(KVSender):
 
     def __init__(self) -> None:
         self.sent_pages: list[int] = []
+        self.first_token: int | None = None  # what the last send carried
+        self.first_logprob: TokenLogprob | None = None
         self._done = self._aborted = False
 
     def send(
         self, page_indices, last=False, first_token=None, state_indices=None, first_logprob=None
     ) -> None:
         self.sent_pages.extend(int(p) for p in page_indices)
+        if last:
+            self.first_token = first_token
+            self.first_logprob = first_logprob
         self._done = self._done or last
 
     def poll(self) -> KVPoll:
