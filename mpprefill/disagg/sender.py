@@ -6,6 +6,8 @@ import enum
 
 import torch
 
+from mpprefill.sampling.token_logprob import TokenLogprob
+
 
 class KVPoll(enum.IntEnum):
     """Sender states; across ranks the minimum wins."""
@@ -26,7 +28,8 @@ class KVSender:
 
     Calls on one sender always come from the scheduler thread, in order:
     `init` once bootstrapped, then `send` for each page range, the last with
-    `last=True` (carrying the first token), while `poll` is asked every loop.
+    `last=True` (carrying the first token, and its logprob where the request asked for
+    logprobs), while `poll` is asked every loop.
     With sliding-window layers the last send's `state_indices` are the SWA-pool pages of
     the prompt's last window (planes.window_swa_pages), which pair with its last pages.
     """
@@ -40,6 +43,7 @@ class KVSender:
         last: bool = False,
         first_token: int | None = None,
         state_indices: torch.Tensor | None = None,
+        first_logprob: TokenLogprob | None = None,
     ) -> None:
         raise NotImplementedError
 
@@ -70,10 +74,17 @@ class FakeSender(KVSender):
 
     def __init__(self) -> None:
         self.sent_pages: list[int] = []
+        self.first_token: int | None = None  # what the last send carried
+        self.first_logprob: TokenLogprob | None = None
         self._done = self._aborted = False
 
-    def send(self, page_indices, last=False, first_token=None, state_indices=None) -> None:
+    def send(
+        self, page_indices, last=False, first_token=None, state_indices=None, first_logprob=None
+    ) -> None:
         self.sent_pages.extend(int(p) for p in page_indices)
+        if last:
+            self.first_token = first_token
+            self.first_logprob = first_logprob
         self._done = self._done or last
 
     def poll(self) -> KVPoll:

@@ -386,7 +386,10 @@ class TransferBackend:
         s.wrote(len(cmd.src))
         if cmd.last:
             s.awaiting_ack = True
-            done = wire.TransferDone(s.room, int(cmd.first_token), s.pages_sent, s.instance)
+            logprob, top = (None, None) if cmd.first_logprob is None else cmd.first_logprob
+            done = wire.TransferDone(
+                s.room, int(cmd.first_token), s.pages_sent, s.instance, logprob, top
+            )
             self._link_of[s.room].post(done)
 
     def _read_link(self, link: _Link) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from mpprefill.disagg.sender import KVPoll, KVSender
 from mpprefill.disagg.wire import brief
+from mpprefill.sampling.token_logprob import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class TransferCmd:
     dst: torch.Tensor | None = None
     last: bool = False
     first_token: int | None = None
+    first_logprob: TokenLogprob | None = None  # with first_token, where the request asked
     swa_src: torch.Tensor | None = None  # the last window's pages in the prefill SWA pool
     swa_dst: torch.Tensor | None = None  # ... and in the decode pool
     room: int | None = None  # "refuse": the room of the refused request
@@ -142,7 +144,9 @@ class TransferSender(KVSender):
         if num_pages > room:
             self.abort(f"{num_pages} pages to send but the decode side has {room}")
 
-    def send(self, page_indices, last=False, first_token=None, state_indices=None) -> None:
+    def send(
+        self, page_indices, last=False, first_token=None, state_indices=None, first_logprob=None
+    ) -> None:
         if self.state == KVPoll.Failed:
             return
         if self.state == KVPoll.Bootstrapping or self.num_pages is None:
@@ -154,6 +158,7 @@ class TransferSender(KVSender):
         if self.state == KVPoll.Failed:
             return
         cmd = TransferCmd("send", self, src, self._next_dst(len(src)), last, first_token)
+        cmd.first_logprob = first_logprob
         if swa is not None:
             cmd.swa_src, cmd.swa_dst = swa
         self._queue_send(cmd)

@@ -11,7 +11,9 @@ carries a "type"; the router reply has the shape of the server's reply to its cl
   prefill -> decode       bootstrap         room, tp_size, kv_heads, dtype
   decode -> prefill       bootstrap_reply   room, status ready|unknown|error, pool,
                                             dst_pages, decode_prefix_len, error, instance
-  prefill -> decode       transfer_done     room, first_token, num_pages, instance
+  prefill -> decode       transfer_done     room, first_token, num_pages, instance,
+                                            logprob, top_logprobs (the first token's,
+                                            where its request asked; else null)
   decode -> prefill       ack               room, ok, error, instance
   either way              abort             room
   prefill -> decode       ping              (decode answers pong)
@@ -56,6 +58,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from mpprefill.sampling.params import MAX_TOP_LOGPROBS
 
 MAX_FRAME_BYTES = 16 << 20  # a register frame of a prompt of ~2M tokens
 MAX_INT = 2**63 - 1  # room, page and token numbers are int64 on both sides
@@ -199,6 +203,8 @@ class TransferDone:
     first_token: int
     num_pages: int
     instance: str = ""
+    logprob: float | None = None  # the first token's, under the request's sampling
+    top_logprobs: list[list] | None = None  # [[token_id, logprob], ...], best first
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +339,18 @@ def _typed(*types: type) -> Callable[[Any, str], Any]:
 _bool, _float, _object = _typed(bool), _typed(int, float), _typed(dict)
 
 
+def _top_logprobs(v: Any, name: str) -> list[list]:
+    """[[token_id, logprob], ...], at most MAX_TOP_LOGPROBS pairs."""
+    if not isinstance(v, list) or len(v) > MAX_TOP_LOGPROBS:
+        raise WireError(f"{name} must be a list of at most {MAX_TOP_LOGPROBS} pairs")
+    for pair in v:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise WireError(f"{name} must hold [token_id, logprob] pairs: {quote(pair)}")
+        _int(pair[0], name)
+        _float(pair[1], name)
+    return v
+
+
 _S = {
     "register": (Register, {"rid": _str, "bootstrap_room": _int, "input_ids": _tokens}),
     "bootstrap": (
@@ -358,7 +376,14 @@ _S = {
     ),
     "transfer_done": (
         TransferDone,
-        {"room": _int, "first_token": _int, "num_pages": _int, "instance": _str},
+        {
+            "room": _int,
+            "first_token": _int,
+            "num_pages": _int,
+            "instance": _str,
+            "logprob": _optional(_float),
+            "top_logprobs": _optional(_top_logprobs),
+        },
     ),
     "ack": (Ack, {"room": _int, "ok": _bool, "error": _optional(_str), "instance": _str}),
     "abort": (Abort, {"room": _int}),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SEED_LIMIT = 2**63
+MAX_TOP_LOGPROBS = 20  # top_logprobs_num's limit, as OpenAI's top_logprobs
 # NOTE: temperatures below this are treated as greedy: dividing logits by them overflows.
 GREEDY_EPS = 1e-6
 
@@ -43,6 +44,16 @@ def _token_ids(value: object) -> tuple[int, ...]:
     return tuple(value)
 
 
+_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 def _require(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
         raise ValueError(f"sampling_params.{name} must be {rule}, got {value!r}")
@@ -50,7 +61,14 @@ def _require(ok: bool, name: str, rule: str, value: object) -> None:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How one request picks its next token. The prefill side samples exactly one."""
+    """How one request picks its next token. The prefill side samples exactly one.
+
+    Penalties change the logits before temperature, the filters and greedy's argmax:
+    `frequency_penalty` and `presence_penalty` (OpenAI's) over the output tokens so far, then
+    `repetition_penalty` (transformers') over every token of the prompt or the output so far.
+    `return_logprob`: each output token's log-probability under the penalised logits over
+    the temperature (1 for greedy rows), and its `top_logprobs_num` best alternatives.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -61,18 +79,24 @@ class SamplingParams:
     # Where generation stops (the decode side; the prefill samples one token and ignores them).
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    return_logprob: bool = False
+    top_logprobs_num: int = 0  # counts only with return_logprob
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p"):
+        for name in _FLOATS:
             object.__setattr__(self, name, _number(name, getattr(self, name)))
-        _integer("top_k", self.top_k)
-        _integer("max_new_tokens", self.max_new_tokens)
+        for name in ("top_k", "max_new_tokens", "top_logprobs_num"):
+            _integer(name, getattr(self, name))
         if self.seed is not None:
             _integer("seed", self.seed)
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
-        if not isinstance(self.ignore_eos, bool):
-            kind = type(self.ignore_eos).__name__
-            raise ValueError(f"sampling_params.ignore_eos must be a boolean, got {kind}")
+        for name in ("ignore_eos", "return_logprob"):
+            if not isinstance(getattr(self, name), bool):
+                kind = type(getattr(self, name)).__name__
+                raise ValueError(f"sampling_params.{name} must be a boolean, got {kind}")
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -83,10 +107,33 @@ class SamplingParams:
         _require(self.max_new_tokens >= 1, "max_new_tokens", ">= 1", self.max_new_tokens)
         seed_ok = self.seed is None or 0 <= self.seed < SEED_LIMIT
         _require(seed_ok, "seed", "null or an integer in [0, 2**63)", self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(-2.0 <= value <= 2.0, name, "in [-2, 2]", value)
+        rep = self.repetition_penalty
+        _require(0.0 < rep <= 2.0, "repetition_penalty", "in (0, 2]", rep)
+        top = self.top_logprobs_num
+        limit = MAX_TOP_LOGPROBS
+        _require(0 <= top <= limit, "top_logprobs_num", f"in [0, {limit}]", top)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any penalty changes the logits (on the prefill only the repetition penalty can:
+        its first token has no output before it)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """Alternatives each output token reports: top_logprobs_num with return_logprob."""
+        return self.top_logprobs_num if self.return_logprob else 0
 
     @classmethod
     def from_dict(cls, d: Any) -> SamplingParams:

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
+"""Token sampling: penalties, then greedy, temperature, top-k, top-p, min-p, with
+per-request seeds; the sampled tokens' logprobs for the rows that ask.
 
 A seeded row draws its uniform from a counter-based hash of (seed, step), then inverts the
 CDF of its filtered distribution, so its token depends only on its own logits, seed and
@@ -8,12 +9,21 @@ step, never on the rest of the batch. `step` is one int for the whole batch, or 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mpprefill.sampling.info import SamplingBatchInfo, greedy_rows
+from mpprefill.sampling.logprobs import Logprobs, compute_logprobs
+from mpprefill.sampling.penalty import TokenHistory, apply_penalties, prompt_mask
 
 _MASK32 = 0xFFFFFFFF
 _STEP_KEY = 0x9E3779B9
+
+
+class Sampled(NamedTuple):
+    tokens: torch.Tensor  # [B] int64
+    logprobs: Logprobs | None  # None when no row asks
 
 
 def sample(
@@ -21,9 +31,37 @@ def sample(
     info: SamplingBatchInfo,
     step: int | torch.Tensor = 0,
     generator: torch.Generator | None = None,
+    history: TokenHistory | None = None,
 ) -> torch.Tensor:
-    """[B, V] float32 logits -> [B] int64 token ids. Unseeded rows draw from `generator`.
-    `step`: an int, or [B] int64 (each row's own step)."""
+    """[B, V] float32 logits -> [B] int64 token ids (`sample_with_logprobs`' tokens)."""
+    return sample_with_logprobs(logits, info, step, generator, history).tokens
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    info: SamplingBatchInfo,
+    step: int | torch.Tensor = 0,
+    generator: torch.Generator | None = None,
+    history: TokenHistory | None = None,
+) -> Sampled:
+    """Penalise, draw, and the logprobs of the rows that ask. Unseeded rows draw from
+    `generator`; `step`: an int, or [B] int64 (each row's own step). `history`: the
+    output's token counts and the prompts' tokens (the decode side's); None: the prompts
+    in `info.penalty_ids` (the prefill's, whose output is empty)."""
+    if info.has_penalties:
+        if history is None:
+            history = TokenHistory(None, prompt_mask(info, logits.shape[-1]))
+        logits = apply_penalties(logits, info, history)
+    tokens = _draw(logits, info, step, generator)
+    return Sampled(tokens, compute_logprobs(logits, info, tokens))
+
+
+def _draw(
+    logits: torch.Tensor,
+    info: SamplingBatchInfo,
+    step: int | torch.Tensor,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
     greedy_ids = torch.argmax(logits, dim=-1)
     if info.all_greedy:
         return greedy_ids

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from mpprefill.sampling.params import SamplingParams
+from mpprefill.sampling.token_logprob import TokenLogprob
 
 
 class ReqStatus(enum.Enum):
@@ -47,6 +48,7 @@ class Req:
     start_send_idx: int = 0
     # results
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # with return_logprob
     logits: torch.Tensor | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -71,6 +73,11 @@ class Req:
     @property
     def first_token(self) -> int | None:
         return self.output_ids[0] if self.output_ids else None
+
+    @property
+    def first_logprob(self) -> TokenLogprob | None:
+        """The first token's logprob and alternatives; None unless it asked (return_logprob)."""
+        return self.output_logprobs[0] if self.output_logprobs else None
 
     def is_last_chunk(self) -> bool:
         return len(self.fill_ids) == len(self.origin_input_ids)

@@ -21,6 +21,7 @@ from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.req_to_token import ReqToTokenPool
 from mpprefill.model import ModelConfig
 from mpprefill.sampling.info import SamplingBatchInfo
+from mpprefill.sampling.logprobs import to_host
 from mpprefill.scheduling.adder import AddResult, PrefillAdder
 from mpprefill.scheduling.batch import ForwardSnapshot, ScheduleBatch, build_forward_batch
 from mpprefill.scheduling.host_tier import make_host_tier
@@ -242,7 +243,10 @@ class Scheduler:
             forward=fb,
             fill_lens=seq_lens,
             sampling_info=SamplingBatchInfo.from_params(
-                [r.sampling_params for r in reqs], self.model_config.vocab_size
+                [r.sampling_params for r in reqs],
+                self.model_config.vocab_size,
+                # what a first token's repetition penalty covers: the whole prompt
+                [r.origin_input_ids if r.is_last_chunk() else None for r in reqs],
             ),
             delay_sample=self.args.delay_sampling,
             return_logits=any(r.return_logits for r in reqs),
@@ -332,9 +336,9 @@ class Scheduler:
         result.wait_ready()
         self.metrics.add_phase("device-wait", t0, snap.seq)
         t0 = clock_ns()
-        tokens = self.worker.sample(snap.input, self.args.forward_timeout)
+        sampled = self.worker.sample(snap.input, self.args.forward_timeout)
         self.metrics.add_phase("S", t0, snap.seq)
-        return result._replace(next_token_ids=tokens)
+        return result._replace(next_token_ids=sampled.tokens, logprobs=sampled.logprobs)
 
     # ---- results and KV sends ------------------------------------------------------------
 
@@ -344,6 +348,7 @@ class Scheduler:
         self.metrics.add_phase("device-wait", t0, batch.seq)
         t0 = clock_ns()
         tokens = result.next_token_ids.tolist()
+        logprobs = to_host(result.logprobs, [r.sampling_params for r in batch.reqs])
         reqs = self.reqs
         finished = []
         for i, req in enumerate(batch.reqs):
@@ -359,6 +364,8 @@ class Scheduler:
                 reqs.release_aborted(req)
                 continue
             req.output_ids.append(tokens[i])
+            if logprobs[i] is not None:
+                req.output_logprobs.append(logprobs[i])
             if req.return_logits:
                 req.logits = result.logits[i].float().clone()
             self.tree.cache_unfinished_req(req)
@@ -389,4 +396,5 @@ class Scheduler:
         if last and self.allocator.has_swa_pool:
             row = self.req_pool.req_to_token[req.req_pool_idx]
             window = window_swa_pages(self.allocator, row, end, self.model_config.sliding_window)
-        req.sender.send(page_indices, last=last, first_token=first, state_indices=window)
+        logprob = req.first_logprob if last else None
+        req.sender.send(page_indices, last, first, window, first_logprob=logprob)

@@ -31,12 +31,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from mpprefill.sampling.params import SamplingParams
+from mpprefill.sampling.token_logprob import TokenLogprob
 
 MAX_FRAME_BYTES = 4 << 20
 MAX_WIRE_BYTES = 64 << 20
@@ -292,9 +294,13 @@ def done_reply(
     cached_tokens: int,
     output_ids: list[int] | None = None,
     finish_reason: dict[str, Any] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    top_logprobs: bool = False,
 ) -> bytes:
     """A finished request. The prefill side's output is its one sampled token; a decode
-    side's is every token it generated, the prefill's first token first."""
+    side's is every token it generated, the prefill's first token first. `logprobs` (one
+    per output token, where the request asked): `output_token_logprobs`, and with
+    `top_logprobs` (it asked for top_logprobs_num > 0) `output_top_logprobs`."""
     output_ids = [first_token] if output_ids is None else output_ids
     if finish_reason is None:
         finish_reason = {"type": "length", "length": len(output_ids)}
@@ -308,14 +314,33 @@ def done_reply(
             "output_ids": output_ids,
             "completion_tokens": len(output_ids),
             "finish_reason": finish_reason,
+            **_logprob_fields(logprobs, top_logprobs),
         }
     )
 
 
-def partial_reply(rid: str, output_ids: list[int]) -> bytes:
+def partial_reply(
+    rid: str,
+    output_ids: list[int],
+    logprobs: Sequence[TokenLogprob] | None = None,
+    top_logprobs: bool = False,
+) -> bytes:
     """A streamed request's tokens generated since its previous reply; its last reply is a
-    done (or error) reply, which repeats every token."""
-    return _dump({"rid": rid, "status": "partial", "output_ids": output_ids})
+    done (or error) reply, which repeats every token. Logprobs as in `done_reply`, of these
+    tokens."""
+    reply = {"rid": rid, "status": "partial", "output_ids": output_ids}
+    return _dump({**reply, **_logprob_fields(logprobs, top_logprobs)})
+
+
+def _logprob_fields(logprobs: Sequence[TokenLogprob] | None, top: bool) -> dict[str, Any]:
+    """`output_token_logprobs` (a float per token; null where unknown) and, with `top`,
+    `output_top_logprobs` (per token a list of [token_id, logprob] pairs, best first)."""
+    if logprobs is None:
+        return {}
+    out: dict[str, Any] = {"output_token_logprobs": [t.logprob for t in logprobs]}
+    if top:
+        out["output_top_logprobs"] = [t.top for t in logprobs]
+    return out
 
 
 def error_reply(rid: str | None, error: str, code: int | None = None) -> bytes:

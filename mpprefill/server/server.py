@@ -223,10 +223,17 @@ class PrefillServer:
         if req.error:
             self._send(ident, protocol.error_reply(req.rid, req.error, code))
         else:
-            self._send(
-                ident,
-                protocol.done_reply(req.rid, req.first_token, req.prompt_len, req.cached_tokens),
+            params = req.sampling_params
+            logprobs = req.output_logprobs if params.return_logprob else None
+            reply = protocol.done_reply(
+                req.rid,
+                req.first_token,
+                req.prompt_len,
+                req.cached_tokens,
+                logprobs=logprobs,
+                top_logprobs=params.num_top_logprobs > 0,
             )
+            self._send(ident, reply)
 
     def _error_code(self, req: Req) -> int:
         """The status of a request the scheduler failed."""

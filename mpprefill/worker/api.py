@@ -18,6 +18,8 @@ import torch
 
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling.info import SamplingBatchInfo
+from mpprefill.sampling.logprobs import Logprobs
+from mpprefill.sampling.sampler import Sampled
 
 if TYPE_CHECKING:
     from mpprefill.memory.kv_cache import KVCache
@@ -55,6 +57,7 @@ class ForwardResult(NamedTuple):
     end_ns: int = 0
     device_s: float = 0.0  # the device's busy time in it
     collective_s: float = 0.0  # the part of device_s in collectives (emulated tensor parallel)
+    logprobs: Logprobs | None = None  # of next_token_ids, where a row asks (sampling.logprob_rows)
 
     def wait_ready(self) -> None:
         """Return once the forward's device work is done (at once unless the device runs
@@ -84,7 +87,7 @@ class Worker:
     def collect(self, timeout: float | None = None) -> ForwardResult:
         raise NotImplementedError
 
-    def sample(self, inp: ForwardInput, timeout: float | None = None) -> torch.Tensor:
+    def sample(self, inp: ForwardInput, timeout: float | None = None) -> Sampled:
         """Deferred sampling of the last collected forward; the worker is idle here."""
         raise NotImplementedError
 

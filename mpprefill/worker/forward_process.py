@@ -34,6 +34,8 @@ from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig
 from mpprefill.model.parallel import TPRank, init_tp_group, shard_config, tp_backend
 from mpprefill.sampling.info import SamplingBatchInfo
+from mpprefill.sampling.logprobs import Logprobs
+from mpprefill.sampling.params import MAX_TOP_LOGPROBS
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker import profiling
@@ -88,10 +90,15 @@ class WorkerSetup:
 
 
 def result_specs(max_reqs: int, vocab_size: int) -> ipc.bundle.Specs:
-    """Both result slots: row seq % 2 holds forward seq's tokens and logits."""
+    """Both result slots: row seq % 2 holds forward seq's tokens and logits, and the
+    tokens' logprobs (`sampling.logprobs.Logprobs`, K = MAX_TOP_LOGPROBS at most)."""
+    slots = NUM_RESULT_SLOTS
     return {
-        "tokens": ((NUM_RESULT_SLOTS, max_reqs), torch.int64),
-        "logits": ((NUM_RESULT_SLOTS, max_reqs, vocab_size), torch.float32),
+        "tokens": ((slots, max_reqs), torch.int64),
+        "logits": ((slots, max_reqs, vocab_size), torch.float32),
+        "logprobs": ((slots, max_reqs), torch.float32),
+        "top_ids": ((slots, max_reqs, MAX_TOP_LOGPROBS), torch.int64),
+        "top_logprobs": ((slots, max_reqs, MAX_TOP_LOGPROBS), torch.float32),
     }
 
 
@@ -156,6 +163,7 @@ class WorkerLoop:
                 msg.num_reqs,
                 msg.num_kv,
                 self.runner.kv.device,
+                msg.num_penalty_ids,
             )
 
     def _forward(self, msg: Submit, read=None) -> tuple[int, int, float, float]:
@@ -173,7 +181,8 @@ class WorkerLoop:
         with get_tracer().span("result", seq):
             o.forward_done(seq)
             want_logits = msg.want_logits or msg.delay_sample
-            self._write_result(seq, out.next_token_ids, out.logits if want_logits else None)
+            logits = out.logits if want_logits else None
+            self._write_result(seq, out.next_token_ids, logits, out.logprobs)
             o.result_ready(forward_gen(seq))
         return out.start_ns, out.end_ns, out.device_s, out.collective_s
 
@@ -183,8 +192,8 @@ class WorkerLoop:
         if last is None or last[0] != msg.seq:
             had = "none" if last is None else last[0]
             raise RuntimeError(f"Sample {msg.seq}, but the deferred forward before it is {had}")
-        tokens = self.runner.sample(last[1], last[2])
-        self._write_result(msg.seq, tokens, None)
+        sampled = self.runner.sample(last[1], last[2])
+        self._write_result(msg.seq, sampled.tokens, None, sampled.logprobs)
         self.order.result_ready(sample_gen(msg.seq))
 
     def _release(self, slot: int, seq: int, fb: ForwardBatch) -> None:
@@ -194,14 +203,26 @@ class WorkerLoop:
         else:
             self.late_reads.release(slot, seq, fb, record)
 
-    def _write_result(self, seq: int, tokens: torch.Tensor | None, logits: torch.Tensor | None):
+    def _write_result(
+        self,
+        seq: int,
+        tokens: torch.Tensor | None,
+        logits: torch.Tensor | None,
+        logprobs: Logprobs | None = None,
+    ):
         if self.result is None:
             return
         row = seq % NUM_RESULT_SLOTS
+        out = self.result
         if tokens is not None:
-            self.result["tokens"][row, : len(tokens)].copy_(tokens, non_blocking=True)
+            out["tokens"][row, : len(tokens)].copy_(tokens, non_blocking=True)
         if logits is not None:
-            self.result["logits"][row, : len(logits)].copy_(logits, non_blocking=True)
+            out["logits"][row, : len(logits)].copy_(logits, non_blocking=True)
+        if logprobs is not None:
+            b, k = logprobs.top_ids.shape
+            out["logprobs"][row, :b].copy_(logprobs.token, non_blocking=True)
+            out["top_ids"][row, :b, :k].copy_(logprobs.top_ids, non_blocking=True)
+            out["top_logprobs"][row, :b, :k].copy_(logprobs.top, non_blocking=True)
 
 
 def _own_copy(sampling: SamplingBatchInfo) -> SamplingBatchInfo:

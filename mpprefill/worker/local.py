@@ -12,8 +12,7 @@ import threading
 import time
 from collections import deque
 
-import torch
-
+from mpprefill.sampling.sampler import Sampled
 from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied, sleep_until_ns
 from mpprefill.worker.fence import KVWriteFence
 from mpprefill.worker.runner import ForwardRunner
@@ -30,7 +29,7 @@ class _LocalWorker(Worker):
     def _run(self, inp: ForwardInput) -> ForwardResult:
         return ForwardResult(inp.seq, *self.runner.forward(inp))
 
-    def sample(self, inp: ForwardInput, timeout: float | None = None) -> torch.Tensor:
+    def sample(self, inp: ForwardInput, timeout: float | None = None) -> Sampled:
         self._check_sample(inp, self._in_flight())
         return self.runner.sample(self._last_logits, inp.sampling)
 

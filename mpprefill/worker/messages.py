@@ -31,6 +31,7 @@ class Submit:
     num_kv: int
     delay_sample: bool
     want_logits: bool
+    num_penalty_ids: int = 0  # ragged sampling entries in the slot (SamplingBatchInfo)
 
 
 @message

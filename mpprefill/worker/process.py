@@ -7,8 +7,6 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
-import torch
-
 import ipc
 from ipc.events import EventAbandoned, EventTimeout
 from mpprefill.config import ServerArgs
@@ -16,6 +14,8 @@ from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig
 from mpprefill.model.loader import config_from_args
 from mpprefill.model.parallel import TPRank, check_shardable, shard_config
+from mpprefill.sampling.logprobs import Logprobs
+from mpprefill.sampling.sampler import Sampled
 from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied, sleep_until_ns
 from mpprefill.worker.build import group_size, kv_dtype, num_kv_slots, swa_slots
 from mpprefill.worker.device import DevicePlan
@@ -172,7 +172,8 @@ class ProcessWorker(Worker):
             counts = self.staging.write(slot, inp.seq, inp.forward, inp.sampling, self.order)
         self.kv_fence.note_writes(inp.seq, inp.forward.out_cache_loc)
         n_tok, n_req, n_kv = counts
-        msg = Submit(inp.seq, slot, n_tok, n_req, n_kv, inp.delay_sample, inp.return_logits)
+        n_pen = len(inp.sampling.penalty_ids)
+        msg = Submit(inp.seq, slot, n_tok, n_req, n_kv, inp.delay_sample, inp.return_logits, n_pen)
         for rank in self.ranks:
             self._put(rank, msg)
         self._pending.append(inp)
@@ -193,21 +194,22 @@ class ProcessWorker(Worker):
         self._note_collected(inp)
         b = inp.batch_size
         row = inp.seq % NUM_RESULT_SLOTS
-        tokens = self.result["tokens"][row, :b].clone() if dones[0].sampled else None
+        sampled = self._sampled(inp) if dones[0].sampled else None
         want = inp.return_logits or inp.delay_sample
         logits = self.result["logits"][row, :b].clone() if want else None
         return ForwardResult(
             done.seq,
-            tokens,
+            None if sampled is None else sampled.tokens,
             logits,
             done.forward_s,
             done.start_ns,
             done.end_ns,
             done.device_s,
             done.collective_s,
+            None if sampled is None else sampled.logprobs,
         )
 
-    def sample(self, inp: ForwardInput, timeout: float | None = None) -> torch.Tensor:
+    def sample(self, inp: ForwardInput, timeout: float | None = None) -> Sampled:
         self._check_sample(inp, self._pending)
         for rank in self.ranks:
             self._put(rank, Sample(inp.seq))
@@ -215,8 +217,23 @@ class ProcessWorker(Worker):
             self._get(rank, timeout)
         with self._events():
             self.order.before_result(sample_gen(inp.seq), timeout)
+        return self._sampled(inp)
+
+    def _sampled(self, inp: ForwardInput) -> Sampled:
+        """Forward `inp`'s tokens (and logprobs, where its rows ask) from its result slot."""
         row = inp.seq % NUM_RESULT_SLOTS
-        return self.result["tokens"][row, : inp.batch_size].clone()
+        b = inp.batch_size
+        tokens = self.result["tokens"][row, :b].clone()
+        if not inp.sampling.logprob_rows:
+            return Sampled(tokens, None)
+        k = inp.sampling.max_top_logprobs
+        r = self.result
+        lp = Logprobs(
+            r["logprobs"][row, :b].clone(),
+            r["top_ids"][row, :b, :k].clone(),
+            r["top_logprobs"][row, :b, :k].clone(),
+        )
+        return Sampled(tokens, lp)
 
     @contextlib.contextmanager
     def _events(self) -> Iterator[None]:

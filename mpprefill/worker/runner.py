@@ -16,7 +16,8 @@ from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import CausalLM, ForwardBatch
 from mpprefill.model.guard import ForwardGuard, plain
 from mpprefill.sampling.info import SamplingBatchInfo
-from mpprefill.sampling.sampler import sample
+from mpprefill.sampling.logprobs import Logprobs
+from mpprefill.sampling.sampler import Sampled, sample_with_logprobs
 from mpprefill.trace.tracer import clock_ns, get_tracer
 from mpprefill.worker.api import ForwardInput
 
@@ -33,6 +34,7 @@ class RunOutput(NamedTuple):
     end_ns: int
     device_s: float  # the device's busy time in it
     collective_s: float  # the part of device_s in collectives (emulated tensor parallel)
+    logprobs: Logprobs | None = None  # of the sampled tokens, where a row asks
 
 
 class ForwardRunner:
@@ -56,15 +58,17 @@ class ForwardRunner:
         fb = self.on_device(inp.forward)
         sampling = self.on_device(inp.sampling)
         logits = self._forward(fb) if self.guard is None else self._guarded(fb)
-        tokens = None if inp.delay_sample else sample(logits, sampling)
+        sampled = None if inp.delay_sample else sample_with_logprobs(logits, sampling)
+        tokens = None if sampled is None else sampled.tokens
+        logprobs = None if sampled is None else sampled.logprobs
         t1 = clock_ns()
         tracer = get_tracer()
         if tracer.enabled:
             tracer.record("F", t0, t1 - t0, inp.seq)
         forward_s = (t1 - t0) / 1e9
         if self.device is None:
-            return RunOutput(tokens, logits, forward_s, t0, t1, forward_s, 0.0)
-        return RunOutput(tokens, logits, forward_s, *self.device.last_forward())
+            return RunOutput(tokens, logits, forward_s, t0, t1, forward_s, 0.0, logprobs)
+        return RunOutput(tokens, logits, forward_s, *self.device.last_forward(), logprobs)
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         if self.device is None:
@@ -86,8 +90,8 @@ class ForwardRunner:
         self.guard_log = os.path.join(log_dir, f"forward-calls-{os.getpid()}.txt")
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sampling: SamplingBatchInfo) -> torch.Tensor:
-        return sample(logits, self.on_device(sampling))
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatchInfo) -> Sampled:
+        return sample_with_logprobs(logits, self.on_device(sampling))
 
     def on_device(self, batch: T) -> T:
         """`batch` (a ForwardBatch or SamplingBatchInfo) with its tensors where the KV is;

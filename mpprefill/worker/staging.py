@@ -66,7 +66,10 @@ def staging_specs(
         specs.update(
             {"swa_out_cache_loc": ((max_tokens,), i64), "swa_kv_indices": ((max_kv,), i64)}
         )
-    specs.update({f"s_{k}": v for k, v in SamplingBatchInfo.tensor_specs(max_reqs).items()})
+    # NOTE: a batch's rows' prompt tokens are at most its KV entries (the repetition
+    # penalty's ragged ids)
+    sampling = SamplingBatchInfo.tensor_specs(max_reqs, max_kv)
+    specs.update({f"s_{k}": v for k, v in sampling.items()})
     return specs
 
 
@@ -89,7 +92,7 @@ class ShmStaging:
 
     def write(self, slot: int, seq: int, fb: ForwardBatch, sampling, order: SchedulerOrder):
         """Barrier, writes, record, all on the writing stream; returns the counts."""
-        check_capacity(fb, self.specs)
+        check_capacity(fb, self.specs, sampling)
         with self.stream.current():
             order.before_write(slot)
             counts = write_slot(self.bundles[slot].tensors, fb, sampling, self.non_blocking)
@@ -164,17 +167,19 @@ def read_slot(
     num_reqs: int,
     num_kv: int,
     device: torch.device | str = "cpu",
+    num_penalty_ids: int = 0,
 ) -> tuple[ForwardBatch, SamplingBatchInfo, bool]:
     """Views of a slot, or copies on `device` when the slot lives elsewhere (issued on the
     current stream, asynchronous from pinned memory). The flag says whether it copied:
     then the slot's reads end here; otherwise they end with the forward. The batch's host
-    lengths are read here, from host memory (`HOST_FIELDS`)."""
+    lengths are read here, from host memory (`HOST_FIELDS`); `num_penalty_ids`: the
+    sampling rows' ragged entries (`Submit.num_penalty_ids`)."""
     sizes = {"prefix_lens": num_reqs, "extend_lens": num_reqs, "kv_indices": num_kv}
     sizes["swa_kv_indices"] = num_kv
     names = FB_FIELDS + (SWA_FIELDS if SWA_FIELDS[0] in slot else ())
     fb = ForwardBatch(**{n: slot[n][: sizes.get(n, num_tokens)] for n in names})
     sampling = SamplingBatchInfo.from_tensors(
-        {k[2:]: v for k, v in slot.items() if k.startswith("s_")}, batch_size=num_reqs
+        {k[2:]: v for k, v in slot.items() if k.startswith("s_")}, num_reqs, num_penalty_ids
     )
     device = torch.device(device)
     if device == fb.input_ids.device:
@@ -183,24 +188,19 @@ def read_slot(
             fb = dataclasses.replace(fb, **lens)
         return fb, sampling, False
     moved = fb.to(device, non_blocking=True)
-    return moved, _sampling_on(sampling, device), True
+    return moved, sampling.to(device, non_blocking=True), True
 
 
-def _sampling_on(sampling: SamplingBatchInfo, device) -> SamplingBatchInfo:
-    """A copy with its tensors on `device`; other fields (all_greedy) are kept."""
-    tensors = sampling.to_tensors()
-    return dataclasses.replace(
-        sampling, **{k: t.to(device, non_blocking=True) for k, t in tensors.items()}
-    )
-
-
-def check_capacity(fb: ForwardBatch, specs: ipc.bundle.Specs) -> None:
-    for name in FB_FIELDS:
+def check_capacity(
+    fb: ForwardBatch, specs: ipc.bundle.Specs, sampling: SamplingBatchInfo | None = None
+) -> None:
+    sizes = {name: len(getattr(fb, name)) for name in FB_FIELDS}
+    if sampling is not None:
+        sizes["s_penalty_ids"] = len(sampling.penalty_ids)
+    for name, n in sizes.items():
         cap = specs[name][0][0]
-        if len(getattr(fb, name)) > cap:
-            raise ValueError(
-                f"batch field {name} has {len(getattr(fb, name))} entries, staging holds {cap}"
-            )
+        if n > cap:
+            raise ValueError(f"batch field {name} has {n} entries, staging holds {cap}")
 
 
 def pin_segments(handles: list[ipc.TensorHandle]) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 import zmq
 
 from mpprefill.bench.procs import children, free_port
@@ -67,8 +68,9 @@ class Cluster:
         params = {"temperature": 0.0, **sampling}
         return protocol.generate_frame(rid, ids, params, room, HOST, self.bootstrap_port, stream)
 
-    def prefill_generate(self, rid: str, ids: list[int], room: int) -> None:
-        self.p.send_raw(protocol.generate_frame(rid, ids, {"temperature": 0.0}, room))
+    def prefill_generate(self, rid: str, ids: list[int], room: int, **sampling) -> None:
+        params = {"temperature": 0.0, **sampling}
+        self.p.send_raw(protocol.generate_frame(rid, ids, params, room))
 
     def close(self) -> list[str]:
         for c in (self.p, *self.d, self.orphan):
@@ -86,14 +88,14 @@ def cluster():
 
 
 def replies_until_done(client: Client, rids: set[str], timeout: float = 120.0):
-    """{rid: (partials' token lists, final reply)} once each rid has its final reply."""
-    partials: dict[str, list[list[int]]] = {r: [] for r in rids}
+    """{rid: (partial replies, final reply)} once each rid has its final reply."""
+    partials: dict[str, list[dict]] = {r: [] for r in rids}
     final: dict[str, dict] = {}
     while set(final) != rids:
         reply = client.recv(timeout)
         assert reply["rid"] in rids, reply
         if reply["status"] == "partial":
-            partials[reply["rid"]].append(reply["output_ids"])
+            partials[reply["rid"]].append(reply)
         else:
             final[reply["rid"]] = reply
     return {r: (partials[r], final[r]) for r in rids}
@@ -147,9 +149,58 @@ def test_streamed_replies_add_up_to_the_output(cluster, model):
     for rid, n, which in rids:
         partials, done = replies_until_done(cluster.d[which], {rid})[rid]
         assert done["status"] == "done" and done["output_ids"] == reference(model, prompt(n), n)
-        streamed = [t for p in partials for t in p]
+        streamed = [t for p in partials for t in p["output_ids"]]
         # every token but the last comes in a partial; the done reply repeats them all
         assert streamed == done["output_ids"][:-1], (partials, done)
+
+
+def penalised_reference(model, ids: list[int], n: int, penalty: float):
+    """Greedy tokens under a repetition penalty (by hand, over the prompt and the output so
+    far) of dense prefills, and each token's log_softmax over the penalised logits."""
+    seq, out, logprobs = list(ids), [], []
+    for _ in range(n):
+        kv = KVCache.for_model(model.config, (len(seq) // PAGE + 1) * PAGE)
+        logits = model(ForwardBatch.build([seq], [0], [list(range(len(seq)))]), kv)[0].clone()
+        seen = torch.tensor(sorted(set(seq)))
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+        logp = torch.log_softmax(logits, dim=-1)
+        out.append(int(logp.argmax()))
+        logprobs.append(logp)
+        seq.append(out[-1])
+    return out, logprobs
+
+
+def test_logprobs_of_every_output_token_reach_the_decodes_replies(cluster, model):
+    """return_logprob + top_logprobs_num + repetition_penalty on both sides: the prefill's
+    done reply has its first token's logprob, the decode's (streamed here) every token's,
+    the first equal to the prefill's."""
+    n, penalty = 6, 1.5
+    ids = next(
+        prompt(k)
+        for k in range(3, 12)
+        if penalised_reference(model, prompt(k), n, penalty)[0] != reference(model, prompt(k), n)
+    )
+    tokens, ref = penalised_reference(model, ids, n, penalty)
+    sampling = dict(repetition_penalty=penalty, return_logprob=True, top_logprobs_num=3)
+    cluster.d[0].send_raw(cluster.decode_frame("lp", ids, 900, True, max_new_tokens=n, **sampling))
+    cluster.prefill_generate("lp", ids, 900, **sampling)
+    prefill = cluster.p.recv_until({"lp"}, timeout=120)["lp"]
+    partials, done = replies_until_done(cluster.d[0], {"lp"})["lp"]
+    assert done["status"] == "done" and done["output_ids"] == tokens
+    assert prefill["first_token"] == tokens[0]
+    assert prefill["output_token_logprobs"] == done["output_token_logprobs"][:1]
+    assert prefill["output_top_logprobs"] == done["output_top_logprobs"][:1]
+    assert len(done["output_token_logprobs"]) == len(done["output_top_logprobs"]) == n
+    for k, token in enumerate(tokens):
+        assert done["output_token_logprobs"][k] == pytest.approx(float(ref[k][token]), abs=1e-4)
+        top_v, top_i = torch.topk(ref[k], 3)
+        assert [t for t, _ in done["output_top_logprobs"][k]] == top_i.tolist()
+        assert [v for _, v in done["output_top_logprobs"][k]] == pytest.approx(
+            top_v.tolist(), abs=1e-4
+        )
+    streamed = [lp for p in partials for lp in p["output_token_logprobs"]]
+    assert streamed == done["output_token_logprobs"][:-1]
 
 
 def test_a_request_the_prefill_refuses_fails_on_the_decode_at_once(cluster):

@@ -27,6 +27,8 @@ MESSAGES = [
     wire.BootstrapReply(7, "unknown"),
     wire.BootstrapReply(7, "ready", {"kind": "shm", "layout": LAYOUT.to_dict()}, [3, 4], 0),
     wire.TransferDone(7, 42, 2),
+    wire.TransferDone(7, 42, 2, "run", -0.25, [[42, -0.25], [3, -1.5]]),
+    wire.TransferDone(7, 42, 2, "run", -0.25, []),
     wire.Ack(7, False, "2 pages arrived, 3 expected"),
     wire.Abort(7),
     wire.Ping(),
@@ -75,6 +77,28 @@ def test_invalid_messages_keep_readable_ids(obj, rid, room):
 def test_non_objects_are_refused(frame):
     with pytest.raises(wire.WireError):
         wire.decode(frame)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"logprob": "x"},
+        {"logprob": True},
+        {"top_logprobs": [[1]]},
+        {"top_logprobs": [[1, "x"]]},
+        {"top_logprobs": [[-1, 0.5]]},
+        {"top_logprobs": {"1": 0.5}},
+        {"top_logprobs": [[i, -1.0] for i in range(21)]},
+    ],
+)
+def test_transfer_done_logprobs_are_checked(extra):
+    """The first token's logprob travels in transfer_done; a frame without it (a prefill
+    of before, or a request that asked none) still decodes."""
+    frame = {"type": "transfer_done", "room": 4, "first_token": 1, "num_pages": 2}
+    assert wire.decode(json.dumps(frame).encode()) == wire.TransferDone(4, 1, 2)
+    with pytest.raises(wire.WireError) as e:
+        wire.decode(json.dumps({**frame, **extra}).encode())
+    assert e.value.room == 4
 
 
 def test_pool_layout():

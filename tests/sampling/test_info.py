@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
-from mpprefill.sampling.info import PACKED_FIELDS, SamplingBatchInfo
+from mpprefill.sampling.info import PACKED_FIELDS, TENSOR_FIELDS, SamplingBatchInfo
 from mpprefill.sampling.params import SamplingParams
 
 VOCAB = 32
@@ -52,9 +53,9 @@ def test_copy_for_forward_shares_tensors() -> None:
 def test_pack_round_trip() -> None:
     info = _info()
     packed = info.to_tensors()
-    assert list(packed) == list(PACKED_FIELDS)
+    assert list(packed) == list(TENSOR_FIELDS)
     back = SamplingBatchInfo.from_tensors(packed)
-    for name in PACKED_FIELDS:
+    for name in TENSOR_FIELDS:
         assert torch.equal(getattr(back, name), getattr(info, name))
     assert back.all_greedy == info.all_greedy
 
@@ -75,3 +76,41 @@ def test_pack_through_staging_buffers() -> None:
 def test_from_tensors_recomputes_all_greedy() -> None:
     greedy = SamplingBatchInfo.from_params([SamplingParams()] * 3, VOCAB)
     assert SamplingBatchInfo.from_tensors(greedy.to_tensors()).all_greedy
+
+
+def test_penalties_and_logprobs_rows_and_host_fields() -> None:
+    params = [
+        SamplingParams(),
+        SamplingParams(repetition_penalty=1.3, return_logprob=True, top_logprobs_num=4),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, top_logprobs_num=9),
+        SamplingParams(return_logprob=True),
+    ]
+    prompts = [[3, 3, 5], [7, 2, 7, 9], [1, 1], None]
+    info = SamplingBatchInfo.from_params(params, VOCAB, prompts)
+    assert info.presence_penalties.tolist() == [0.0, 0.0, 0.5, 0.0]
+    assert info.frequency_penalties.tolist() == [0.0, 0.0, -1.0, 0.0]
+    assert info.repetition_penalties.tolist() == pytest.approx([1.0, 1.3, 1.0, 1.0])
+    assert info.return_logprob.tolist() == [False, True, False, True]
+    assert info.top_logprobs_nums.tolist() == [0, 4, 0, 0]  # row 2 did not ask for logprobs
+    # only row 1 has a repetition penalty: its distinct prompt tokens, tagged with the row
+    assert info.penalty_ids.tolist() == [(1 << 32) | 2, (1 << 32) | 7, (1 << 32) | 9]
+    assert info.has_penalties and info.logprob_rows == (1, 3) and info.max_top_logprobs == 4
+    plain = SamplingBatchInfo.from_params([SamplingParams()] * 2, VOCAB, [[1], [2]])
+    assert not plain.has_penalties and plain.logprob_rows == () and plain.max_top_logprobs == 0
+    assert plain.penalty_ids.numel() == 0
+
+
+def test_ragged_rows_travel_through_staging_buffers() -> None:
+    params = [SamplingParams(repetition_penalty=0.7), SamplingParams(return_logprob=True)]
+    info = SamplingBatchInfo.from_params(params, VOCAB, [[4, 5, 4], [6]])
+    specs = SamplingBatchInfo.tensor_specs(max_batch=8, max_penalty_ids=16)
+    assert specs["penalty_ids"] == ((16,), torch.int64)
+    slot = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
+    for name, t in info.to_tensors().items():
+        slot[name][: len(t)].copy_(t)
+    back = SamplingBatchInfo.from_tensors(slot, info.batch_size, len(info.penalty_ids))
+    for name in TENSOR_FIELDS:
+        assert torch.equal(getattr(back, name), getattr(info, name)), name
+    assert back.has_penalties and back.logprob_rows == (1,) and back.max_top_logprobs == 0
+    plain = SamplingBatchInfo.from_tensors(slot, 1, 0)  # the first row alone, no prompt ids
+    assert plain.has_penalties and plain.logprob_rows == () and plain.penalty_ids.numel() == 0

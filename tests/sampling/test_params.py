@@ -76,6 +76,26 @@ BAD = [
     ({"stop_token_ids": ["2"]}, "stop_token_ids"),
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"temperature": 10**400}, "temperature"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"presence_penalty": -2.01}, "presence_penalty"),
+    ({"presence_penalty": "1"}, "presence_penalty"),
+    ({"presence_penalty": math.nan}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"frequency_penalty": 2.0001}, "frequency_penalty"),
+    ({"frequency_penalty": True}, "frequency_penalty"),
+    ({"frequency_penalty": None}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"repetition_penalty": 2.5}, "repetition_penalty"),
+    ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"repetition_penalty": [1.1]}, "repetition_penalty"),
+    ({"return_logprob": 1}, "return_logprob"),
+    ({"return_logprob": "true"}, "return_logprob"),
+    ({"return_logprob": None}, "return_logprob"),
+    ({"top_logprobs_num": -1}, "top_logprobs_num"),
+    ({"top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"top_logprobs_num": 2.0}, "top_logprobs_num"),
+    ({"top_logprobs_num": True}, "top_logprobs_num"),
 ]
 
 
@@ -94,3 +114,30 @@ def test_from_dict_rejects_non_object(d: object) -> None:
 def test_constructor_validates_too() -> None:
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_new_field_bounds_are_accepted() -> None:
+    for value in (-2, -2.0, 0, 2.0):
+        assert SamplingParams(presence_penalty=value).presence_penalty == float(value)
+        assert SamplingParams(frequency_penalty=value).frequency_penalty == float(value)
+    assert SamplingParams(repetition_penalty=2).repetition_penalty == 2.0
+    assert SamplingParams(repetition_penalty=1e-3).has_penalties
+    assert SamplingParams(top_logprobs_num=20, return_logprob=True).num_top_logprobs == 20
+
+
+def test_penalties_and_logprobs_round_trip_and_defaults() -> None:
+    d = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.3,
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+    }
+    p = SamplingParams.from_dict(d)
+    assert isinstance(p.frequency_penalty, float) and p.frequency_penalty == -1.0
+    assert p.has_penalties and p.num_top_logprobs == 3
+    assert SamplingParams.from_dict(dataclasses.asdict(p)) == p
+    plain = SamplingParams()
+    assert not plain.has_penalties and not plain.return_logprob and plain.num_top_logprobs == 0
+    # top_logprobs_num counts only with return_logprob
+    assert SamplingParams(top_logprobs_num=4).num_top_logprobs == 0

@@ -17,6 +17,13 @@ k, never on the rest of the batch; the logits of one row can still differ from a
 in the last float bits (the batch's matmuls), which only matters at a near tie. Unseeded
 rows draw from torch's default generator, so they depend on what else is sampled.
 
+Penalties (`sampling/penalty.py`): a sequence with one keeps its output's token counts
+([V], the first token counted at add()) and, with a repetition penalty, its prompt's tokens
+([V] bool), on the pool's device; a step stacks them into the batch's [B, V] and counts the
+tokens it drew there. A batch where no sequence has a penalty builds none of it.
+Logprobs: a step computes them for the sequences that ask (return_logprob) and hands them
+over in each Output; the first token's are the prefill's, given to add().
+
 Sliding-window layers read only keys inside their window (`model/attention.py`): the query at
 position p >= L sees p - W < j <= p, inside what the prefill sends (its last window, from
 `window_first_page`) and what the steps write. With a dense pool (the decode receiver's)
@@ -36,8 +43,11 @@ from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling.info import SamplingBatchInfo
+from mpprefill.sampling.logprobs import to_host
 from mpprefill.sampling.params import SamplingParams
-from mpprefill.sampling.sampler import sample
+from mpprefill.sampling.penalty import TokenHistory
+from mpprefill.sampling.sampler import sample_with_logprobs
+from mpprefill.sampling.token_logprob import UNKNOWN, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +66,8 @@ class Output:
     # SGLang's shape: {"type": "length", "length": n} | {"type": "stop", "matched": id} |
     # {"type": "abort", "message": "..."}; None while running.
     finish_reason: dict | None
+    # One per new token where the sequence asked (return_logprob), else None.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +77,8 @@ class _Seq:
     pages: torch.Tensor  # int64 page ids in position order; the generator owns them
     output_ids: list[int]
     params: SamplingParams
+    counts: torch.Tensor | None = None  # [V] int32 output token counts, with a penalty
+    prompt_mask: torch.Tensor | None = None  # [V] bool prompt tokens, with a repetition one
 
     @property
     def input_position(self) -> int:
@@ -115,11 +129,14 @@ class Generator:
         pages: torch.Tensor,
         first_token: int,
         params: SamplingParams,
+        first_logprob: TokenLogprob | None = None,
     ) -> Output | None:
         """Take over a sequence whose prompt KV (positions 0..len(prompt_ids)-1) is in
         `pages` (page ids of the allocator, in order). `first_token` is the prefill's token,
-        the first of the completion. Returns its finished Output when that token already
-        ends it (no forward runs), else None: it joins the next step.
+        the first of the completion, and `first_logprob` its logprob where the prefill sent
+        one (a sequence that asks without it reports UNKNOWN for that token). Returns its
+        finished Output when that token already ends it (no forward runs), else None: it
+        joins the next step.
 
         From here on the generator owns the pages (and every page it allocates) and frees
         them all when the sequence finishes or is aborted. A ValueError (bad input) takes
@@ -128,7 +145,8 @@ class Generator:
         reason = self._finish_reason(seq)
         if reason is not None:
             self._free(seq)
-            return Output(key, [first_token], True, reason)
+            logprobs = [first_logprob or UNKNOWN] if params.return_logprob else None
+            return Output(key, [first_token], True, reason, logprobs)
         queue = self._running if len(self._running) < self.max_running else self._waiting
         queue[key] = seq
         return None
@@ -183,11 +201,41 @@ class Generator:
     def _decode(self, batch: list[_Seq]) -> list[Output]:
         fb = self._forward_batch(batch)
         logits = self.model(fb.to(self.kv.device), self.kv)
-        info = SamplingBatchInfo.from_params([s.params for s in batch], logits.shape[-1])
+        params = [s.params for s in batch]
+        info = SamplingBatchInfo.from_params(params, logits.shape[-1])
         steps = torch.tensor([len(s.output_ids) for s in batch], dtype=torch.int64)
         device = logits.device
-        tokens = sample(logits, info.to(device), steps.to(device)).tolist()
-        return [self._advance(seq, token) for seq, token in zip(batch, tokens, strict=True)]
+        history = self._history(batch) if info.has_penalties else None
+        sampled = sample_with_logprobs(logits, info.to(device), steps.to(device), None, history)
+        if history is not None:
+            self._count(batch, history.output_counts, sampled.tokens)
+        tokens = sampled.tokens.tolist()
+        logprobs = to_host(sampled.logprobs, params)
+        return [self._advance(*out) for out in zip(batch, tokens, logprobs, strict=True)]
+
+    def _history(self, batch: list[_Seq]) -> TokenHistory:
+        """The batch's [B, V] output counts and, where a sequence has a repetition
+        penalty, prompt masks (zero rows for sequences without)."""
+        device = self.kv.device
+        vocab = self.model.config.vocab_size
+        counts = torch.zeros(len(batch), vocab, dtype=torch.int32, device=device)
+        rows = [i for i, s in enumerate(batch) if s.counts is not None]
+        if rows:
+            counts[rows] = torch.stack([batch[i].counts for i in rows])
+        rows = [i for i, s in enumerate(batch) if s.prompt_mask is not None]
+        if not rows:
+            return TokenHistory(counts, None)
+        mask = torch.zeros(len(batch), vocab, dtype=torch.bool, device=device)
+        mask[rows] = torch.stack([batch[i].prompt_mask for i in rows])
+        return TokenHistory(counts, mask)
+
+    @staticmethod
+    def _count(batch: list[_Seq], counts: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count each drawn token in its row; each sequence with counts keeps its row."""
+        counts[torch.arange(len(batch), device=counts.device), tokens] += 1
+        for seq, row in zip(batch, counts.unbind(0), strict=True):
+            if seq.counts is not None:
+                seq.counts = row
 
     def _forward_batch(self, batch: list[_Seq]) -> ForwardBatch:
         slots = [self.allocator.slots_of(s.pages)[: s.input_position + 1].tolist() for s in batch]
@@ -199,13 +247,14 @@ class Generator:
             fb.swa_kv_indices = self.allocator.swa_slots(fb.kv_indices, missing=-1)
         return fb
 
-    def _advance(self, seq: _Seq, token: int) -> Output:
+    def _advance(self, seq: _Seq, token: int, logprob: TokenLogprob | None) -> Output:
         seq.output_ids.append(token)
         reason = self._finish_reason(seq)
         if reason is not None:
             del self._running[seq.key]
             self._free(seq)
-        return Output(seq.key, [token], reason is not None, reason)
+        logprobs = None if logprob is None else [logprob]
+        return Output(seq.key, [token], reason is not None, reason, logprobs)
 
     def _out_of_pages(self, seq: _Seq) -> Output:
         del self._running[seq.key]
@@ -245,7 +294,22 @@ class Generator:
             raise ValueError(f"first_token {first_token} is outside the vocabulary ({vocab})")
         pages = torch.as_tensor(pages, dtype=torch.int64).flatten().cpu().clone()
         self._check_pages(pages, n)
-        return _Seq(key, n, pages, [int(first_token)], params)
+        seq = _Seq(key, n, pages, [int(first_token)], params)
+        if params.has_penalties:
+            seq.counts = self._occurrences([int(first_token)], torch.int32)
+        if params.repetition_penalty != 1.0:
+            seq.prompt_mask = self._occurrences(prompt_ids, torch.bool)
+        return seq
+
+    def _occurrences(self, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """[V] on the pool's device: 1 (True) at each token of `ids`."""
+        vocab = self.model.config.vocab_size
+        index = torch.tensor(ids, dtype=torch.int64)
+        if int(index.min()) < 0 or int(index.max()) >= vocab:
+            raise ValueError(f"prompt_ids hold a token outside the vocabulary ({vocab})")
+        out = torch.zeros(vocab, dtype=dtype)
+        out[index] = 1
+        return out.to(self.kv.device)
 
     def _check_pages(self, pages: torch.Tensor, prompt_len: int) -> None:
         need = cdiv(prompt_len, self.page_size)

@@ -44,6 +44,7 @@ from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig
 from mpprefill.model.config import Dtypes, resolve_dtypes
 from mpprefill.model.loader import read_config
+from mpprefill.sampling.token_logprob import TokenLogprob
 
 logger = logging.getLogger(__name__)
 _DRAIN_S = 5.0  # pages of a room aborted by the router wait this long for the prefill's ok
@@ -61,6 +62,7 @@ class Room:
     peer: bytes | None = None  # the prefill backend that bootstrapped it
     verifying: bool = False
     client: bool = False  # the decode server's request, not a router's
+    first_logprob: TokenLogprob | None = None  # sent with the first token, when asked
 
 
 @dataclass(slots=True, frozen=True)
@@ -300,6 +302,8 @@ class DecodeReceiver:
             self._send(ident, wire.Ack(msg.room, False, error, self.instance))
             return
         expected = len(room.pages) - room.prefix_len // self.args.page_size
+        if msg.logprob is not None or msg.top_logprobs is not None:
+            room.first_logprob = TokenLogprob(msg.logprob, msg.top_logprobs or [])
         if msg.num_pages != expected:
             error = f"{msg.num_pages} pages arrived, {expected} expected"
             self._send(ident, wire.Ack(msg.room, False, error, self.instance))

@@ -40,6 +40,7 @@ from mpprefill.disagg.decode.generate import Generator
 from mpprefill.disagg.decode.receiver import DecodeReceiver, Room
 from mpprefill.disagg.decode.verify import load_decode_model
 from mpprefill.http.child import HttpFrontProcess
+from mpprefill.sampling.token_logprob import UNKNOWN, TokenLogprob
 from mpprefill.server import protocol
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Request:
     owner: bytes  # the client that sent it: its replies go there, only it may abort
     endpoint: str | None  # the prefill's bootstrap endpoint, host:port
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with return_logprob
     generating: bool = False  # its KV came; the generator has it
     code: int | None = None  # its error reply's status: the prefill's, when it refused the room
 
@@ -293,7 +295,12 @@ class DecodeServer:
         msg = req.msg
         try:
             out = self.generator.add(
-                msg.rid, msg.input_ids, room.pages, first_token, msg.sampling_params
+                msg.rid,
+                msg.input_ids,
+                room.pages,
+                first_token,
+                msg.sampling_params,
+                room.first_logprob,
             )
         except ValueError as e:
             self.rx.allocator.free(room.pages * self.args.page_size)
@@ -304,17 +311,26 @@ class DecodeServer:
             self._on_output(out)
             return
         req.output_ids.append(first_token)
+        first = [room.first_logprob or UNKNOWN] if msg.sampling_params.return_logprob else None
+        if first is not None:
+            req.logprobs.extend(first)
         if msg.stream:
-            self._send(req.owner, protocol.partial_reply(msg.rid, [first_token]))
+            self._send(req.owner, self._partial(req, [first_token], first))
+
+    def _partial(self, req: Request, tokens: list[int], logprobs) -> bytes:
+        top = req.msg.sampling_params.num_top_logprobs > 0
+        return protocol.partial_reply(req.msg.rid, tokens, logprobs, top)
 
     def _on_output(self, out) -> None:
         req = self.requests.get(out.key)
         if req is None:
             return
         req.output_ids.extend(out.new_tokens)
+        if out.logprobs is not None:
+            req.logprobs.extend(out.logprobs)
         if not out.finished:
             if req.msg.stream:
-                self._send(req.owner, protocol.partial_reply(req.msg.rid, out.new_tokens))
+                self._send(req.owner, self._partial(req, out.new_tokens, out.logprobs))
             return
         reason = out.finish_reason or {}
         if reason.get("type") == "abort":
@@ -324,7 +340,12 @@ class DecodeServer:
         msg = req.msg
         n = len(msg.input_ids)
         first = req.output_ids[0]
-        reply = protocol.done_reply(msg.rid, first, n, 0, req.output_ids, out.finish_reason)
+        params = msg.sampling_params
+        logprobs = req.logprobs if params.return_logprob else None
+        top = params.num_top_logprobs > 0
+        reply = protocol.done_reply(
+            msg.rid, first, n, 0, req.output_ids, out.finish_reason, logprobs, top
+        )
         self._send(req.owner, reply)
 
     def _fail(self, rid: str, error: str) -> None:
