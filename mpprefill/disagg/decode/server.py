@@ -375,12 +375,17 @@ class DecodeServer:
             "disaggregation_mode": "decode",
             "tp_size": 1,
             "max_total_num_tokens": rx["num_pages"] * self.args.page_size,
+            "context_length": self._context_length(),
             "requests": len(self.requests),
             "running": gen.num_running if gen is not None else 0,
             "waiting": gen.num_waiting if gen is not None else 0,
             "load": self._load(rx),
             **rx,
         }
+
+    def _context_length(self) -> int | None:
+        """The longest prompt plus output a request may have (None: not generating)."""
+        return self.model.config.max_position_embeddings if self.model is not None else None
 
     def _load(self, rx: dict) -> dict[str, int]:
         """SGLang's load figures: every request not yet replied to, those of them waiting
