@@ -117,17 +117,19 @@ def encode(path: Path, text: str) -> list[int]:
 
 def chat_ids(path: Path, messages: list[dict]) -> list[int]:
     """transformers' prompt ids of a chat: the checkpoint's template, rendered and encoded
-    by its tokenizer as `apply_chat_template` does."""
+    by its tokenizer.json as `apply_chat_template` does. NOTE: PreTrainedTokenizerFast,
+    not AutoTokenizer, whose Qwen2 class rebuilds the tokenizer with its own pre-tokenizer
+    rather than the file's."""
     transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])  # a BatchEncoding
 
 
 def decode_text(path: Path, ids: list[int]) -> str:
     """transformers' text of output ids, special tokens skipped."""
     transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
     return tok.decode(ids, skip_special_tokens=True)
 
 
