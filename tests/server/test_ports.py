@@ -1,10 +1,12 @@
-"""Servers on one host told apart by --port alone: two prefills and two decodes whose other
-ports all derive from it, KV moving between them; SGLang's /get_load and /server_info on
-both kinds; a port in use is one line and exit status 2; a request a prefill cannot send
-KV for (no bootstrap_room) is a 400 naming the field."""
+"""Servers on one host told apart by --port alone: two prefills and three decodes whose
+other ports all derive from it, KV moving between them, all five behind SGLang's router;
+SGLang's /get_load and /server_info on both kinds; a port in use is one line and exit
+status 2; a request a prefill cannot send KV for (no bootstrap_room) is a 400 naming the
+field."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -30,9 +32,10 @@ MAX_TOTAL_TOKENS = 4096
 SERVE_FLAGS = ("--disaggregation-transfer-backend", "shm", "--forward-mode", "normal")
 DECODE_FLAGS = ()
 COMMON_FLAGS = ("--max-total-tokens", str(MAX_TOTAL_TOKENS), "--log-level", "warning")
-# the prefills' --port is B and B + 1, the decodes' B + 2 and B + 3: every port derived
-# from those must be free too
-OFFSETS = [i + o for i in range(4) for o in (0, ZMQ_OFFSET, RECEIVER_OFFSET, BOOTSTRAP_OFFSET)]
+# the prefills' --port is B and B + 1, the decodes' B + 2 to B + 4, the router's B + 5:
+# every port derived from those must be free too
+OFFSETS = [i + o for i in range(5) for o in (0, ZMQ_OFFSET, RECEIVER_OFFSET, BOOTSTRAP_OFFSET)]
+OFFSETS.append(5)
 IDLE = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
 
 
@@ -65,16 +68,33 @@ class Server(Front):
         return load
 
 
+class Router(Front):
+    """sglang-router in PD mode over the prefills (each with its derived bootstrap port)
+    and the decodes."""
+
+    def __init__(self, port: int, prefills: list[Server], decodes: list[Server]):
+        self.port = port
+        self.log = tempfile.NamedTemporaryFile(prefix="mpp-router-", suffix=".log")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        for p in prefills:
+            cmd += ["--prefill", f"http://{HOST}:{p.port}", str(p.port + BOOTSTRAP_OFFSET)]
+        for d in decodes:
+            cmd += ["--decode", f"http://{HOST}:{d.port}"]
+        cmd += ["--host", HOST, "--port", str(port), "--policy", "round_robin"]
+        cmd += ["--prometheus-port", str(free_base_port([0]))]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """(prefills, decodes), all healthy, started together on --port alone."""
     base = free_base_port(OFFSETS)
     servers = [Server("serve", base), Server("serve", base + 1)]
-    servers += [Server("decode", base + 2), Server("decode", base + 3)]
+    servers += [Server("decode", base + i) for i in (2, 3, 4)]
     try:
         for s in servers:
             s.wait_healthy(180)
-        yield servers[:2], servers[2:]
+        yield servers[:2], servers[2:], base
     finally:
         for s in servers:
             s.kill()
@@ -88,8 +108,8 @@ def _listening(port: int) -> bool:
     return True
 
 
-def test_two_prefills_and_two_decodes_run_given_port_alone(cluster):
-    prefills, decodes = cluster
+def test_two_prefills_and_three_decodes_run_given_port_alone(cluster):
+    prefills, decodes, _ = cluster
     for s in (*prefills, *decodes):
         status, info = s.get("/server_info")
         assert status == 200 and info["zmq_address"] == f"{HOST}:{s.port + ZMQ_OFFSET}"
@@ -103,7 +123,7 @@ def test_kv_moves_to_each_decode_from_the_prefill_it_names(cluster):
     """Decode i registers its room at prefill i's derived bootstrap port and generates on
     the KV that comes. While a decode waits for its KV, its /get_load counts the request and
     the pages it holds; while a prefill waits for its decode, it counts the request."""
-    prefills, decodes = cluster
+    prefills, decodes, _ = cluster
     ids = list(range(10, 40))
     for i, decode_first in ((0, True), (1, False)):
         prefill, decode = prefills[i].client(), decodes[i].client()
@@ -131,8 +151,51 @@ def test_kv_moves_to_each_decode_from_the_prefill_it_names(cluster):
         assert s.load_until(lambda x: x == IDLE) == IDLE
 
 
+def test_all_five_serve_behind_the_router(cluster):
+    """sglang-router in PD mode over the two prefills (each with its derived bootstrap port)
+    and the three decodes: round robin sends requests through every pair, and every pair
+    gives the built-in model's same greedy output, by /generate and by the OpenAI route."""
+    pytest.importorskip("sglang_router", reason="needs the sglang-router package")
+    prefills, decodes, base = cluster
+    router = Router(base + 5, prefills, decodes)
+    try:
+        body = {"input_ids": list(range(10, 30)), "sampling_params": GREEDY_4}
+        outs = [_through(router, "/generate", body)["output_ids"] for _ in range(6)]
+        assert len(outs[0]) == 4 and outs == [outs[0]] * 6, outs
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        replies = [
+            _through(router, "/v1/chat/completions", {**chat, "temperature": 0}) for _ in range(3)
+        ]
+        assert len({r["choices"][0]["message"]["content"] for r in replies}) == 1
+        assert all(r["usage"]["completion_tokens"] == 4 for r in replies)
+    finally:
+        router.kill()
+    for s in (*prefills, *decodes):
+        assert s.load_until(lambda x: x == IDLE) == IDLE
+
+
+GREEDY_4 = {"temperature": 0.0, "max_new_tokens": 4}
+
+
+def _through(router: Front, path: str, body: dict, timeout: float = 120.0) -> dict:
+    """The router's 200 reply; it may answer 503 until it has probed its workers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert router.proc.poll() is None, "the router exited"
+        try:
+            headers = {"Content-Type": "application/json"}
+            status, _, data = router.request("POST", path, json.dumps(body).encode(), headers)
+        except OSError:
+            status, data = None, b""
+        out = json.loads(data) if status == 200 else data
+        if status == 200:
+            return out
+        assert time.monotonic() < deadline, (status, out)
+        time.sleep(0.5)
+
+
 def test_server_info_says_role_size_capacity_and_version(cluster):
-    prefills, decodes = cluster
+    prefills, decodes, _ = cluster
     for servers, mode in ((prefills, "prefill"), (decodes, "decode")):
         for s in servers:
             for path in ("/server_info", "/get_server_info"):
