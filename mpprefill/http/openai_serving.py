@@ -16,28 +16,45 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from mpprefill.http import bodies
 from mpprefill.http import openai_protocol as op
+from mpprefill.http.args import HttpArgs
 from mpprefill.http.chat_template import ChatTemplate
 from mpprefill.http.errors import bad_request
 from mpprefill.http.link import Bootstrap
 from mpprefill.http.outputs import Delta, Output
 from mpprefill.http.responses import FastJSONResponse, error_event, sse, until_disconnect
+from mpprefill.http.tokenizer import TextTokenizer
 
-if TYPE_CHECKING:
-    from mpprefill.http.app import HttpFront
+
+class Front(Protocol):
+    """What these routes use of the front (app.HttpFront)."""
+
+    args: HttpArgs
+    tokenizer: TextTokenizer | None
+
+    async def read_body(self, request: Request) -> Any: ...
+
+    async def context_length(self) -> int: ...
+
+    async def run(
+        self, item: bodies.GenerateItem, t0: float, on_delta: Any = None
+    ) -> bodies.Result: ...
+
+    async def run_all(self, items: list[bodies.GenerateItem], t0: float) -> list: ...
+
 
 # SGLang's finish reasons as OpenAI names them
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class OpenAIServing:
-    def __init__(self, front: HttpFront, template: ChatTemplate | None, model_name: str):
+    def __init__(self, front: Front, template: ChatTemplate | None, model_name: str):
         self.front = front
         self.template = template
         self.model_name = model_name
