@@ -9,8 +9,10 @@ with `add_special_tokens=False` adds neither, as a rendered chat prompt needs: i
 wrote the BOS already.
 
 The built-in tokenizer: token `b` is byte `b` (0..255), then the special tokens of
-BUILTIN_SPECIALS, then `<|reserved_N|>` specials up to the model's vocabulary, so that every
-id the model can sample decodes. Its post-processor prepends `<|bos|>`.
+BUILTIN_SPECIALS, then `<|reserved_N|>` tokens up to the model's vocabulary, so that every
+id the model can sample decodes. The reserved ones are plain tokens, not special: decoding
+with `skip_special_tokens` keeps them, so a built-in model's output (its weights are
+random) reads as text rather than as nothing. Its post-processor prepends `<|bos|>`.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def builtin_tokenizer(vocab_size: int) -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - 256 - specials)]
-    tok.add_special_tokens([*BUILTIN_SPECIALS, *reserved])
+    tok.add_special_tokens(list(BUILTIN_SPECIALS))
+    tok.add_tokens(reserved)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BUILTIN_BOS} $A",
         pair=f"{BUILTIN_BOS} $A {BUILTIN_BOS} $B",

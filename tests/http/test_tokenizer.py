@@ -94,7 +94,8 @@ def test_builtin_spans_the_model_vocabulary(builtin):
     assert builtin.decode([builtin.eos_token_id], skip_special_tokens=False) == "<|eos|>"
     # Every id the model can sample decodes: the ids past the specials are reserved ones.
     assert builtin.decode([4095], skip_special_tokens=False) == "<|reserved_3835|>"
-    assert builtin.decode([4095, 104, 105]) == "hi"
+    # ... and reads as text: the reserved ids are not special
+    assert builtin.decode([104, 4095, 257]) == "h<|reserved_3835|>"
 
 
 def test_builtin_alphabet_is_the_byte_level_one():
