@@ -187,7 +187,7 @@ def test_the_router_deployment_answers_the_printed_line_and_ctrl_c_stops_it(refe
     try:
         line = launch.wait_line("curl ")
         assert f"http://127.0.0.1:{base}/generate" in line and '"text"' in line
-        openai_line = launch.wait_line(" -c 'from openai")
+        openai_line = launch.wait_line(f"{sys.executable} -c 'from openai")
         assert f'base_url="http://127.0.0.1:{base}/v1"' in openai_line
         pids = descendants(launch.proc.pid)
         assert len(pids) >= 4  # router, prefill, two decodes (and what they started)
