@@ -7,9 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from mpprefill.bench.procs import free_base_port
 
 pytest.importorskip("fastapi", reason="the HTTP fronts need the http extra")
 pytestmark = pytest.mark.timeout(300)
@@ -37,21 +37,7 @@ def deployment_ports(base: int, num_decodes: int) -> list[int]:
 
 def free_base(num_decodes: int) -> int:
     """A --port whose whole deployment's ports are free now."""
-    rng = random.Random()
-    for _ in range(50):
-        base = rng.randrange(31000, 60000)
-        if all(_free(p) for p in deployment_ports(base, num_decodes)):
-            return base
-    raise RuntimeError("no free block of ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    return free_base_port(p - 30000 for p in deployment_ports(30000, num_decodes))
 
 
 def child_table() -> dict[int, list[int]]:
@@ -140,21 +126,10 @@ def reference() -> list[int]:
     weights."""
     transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
     from mpprefill.model import ModelConfig
+    from mpprefill.model.export import hf_config
     from mpprefill.model.loader import hf_state_dict, load_model
 
-    c = ModelConfig.tiny()
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=False,
-    )
+    config = transformers.LlamaConfig(**hf_config(ModelConfig.tiny()))
     model = transformers.LlamaForCausalLM(config).eval().float()
     model.load_state_dict(hf_state_dict(load_model(None, seed=0)))
     prompt = prompt_ids()
@@ -203,10 +178,7 @@ def test_the_router_deployment_answers_the_printed_line_and_ctrl_c_stops_it(refe
             assert done.stdout.rstrip("\n") == builtin_text(reference), done.stdout
         launch.proc.send_signal(signal.SIGINT)
         assert launch.wait_exit() == 0, launch.output()[-4000:]
-        deadline = time.monotonic() + 10
-        while [p for p in pids if running(p)] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in pids if running(p)], launch.output()[-4000:]
+        assert_all_gone(pids, launch)
     finally:
         launch.close()
 
@@ -224,12 +196,16 @@ def test_without_the_router_the_line_does_its_part_and_a_death_stops_the_rest(re
         os.kill(decode, signal.SIGTERM)
         assert launch.wait_exit() == 1
         assert f"decode 1 (--port {base + 2}) exited" in launch.output()
-        deadline = time.monotonic() + 10
-        while [p for p in pids if running(p)] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in pids if running(p)], launch.output()[-4000:]
+        assert_all_gone(pids, launch)
     finally:
         launch.close()
+
+
+def assert_all_gone(pids: list[int], launch: Launch) -> None:
+    deadline = time.monotonic() + 10
+    while [p for p in pids if running(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if running(p)], launch.output()[-4000:]
 
 
 def _cmdline(pid: int) -> str:
