@@ -3,9 +3,10 @@
 
 Its sockets: `--receiver-port` the receiver (prefill transfer backends, a registering
 router), `--zmq-port` the request protocol (server/protocol.py) for clients and the HTTP
-front, `--port` the HTTP front (SGLang's meaning; 0: none). The receiver and the front bind
-`--host`; the request socket binds `--zmq-host`, loopback unless asked otherwise. With a front, the other two
-derive from `--port` when not given (mpprefill.ports); without one they are fixed."""
+front, `--port` the HTTP front (SGLang's meaning; 0: none). With a front, the other two
+derive from `--port` when not given (mpprefill.ports); without one they are fixed. The
+receiver and the front bind `--host`; the request socket binds `--zmq-host`, loopback
+unless asked otherwise."""
 
 from __future__ import annotations
 
