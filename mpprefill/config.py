@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from mpprefill import ports
 from mpprefill.flags import _f
@@ -43,6 +44,23 @@ SWA_PATTERN_HELP = (
     "which layers slide: 'all', layer ids '0,2,5', or a pattern of s (sliding) and f (full)"
     " repeated over the layers, e.g. 'sssf'"
 )
+LOOPBACK = "127.0.0.1"
+API_KEY_HELP = (
+    "every HTTP route but /health needs `Authorization: Bearer KEY` (else 401); default"
+    " $MPPREFILL_API_KEY. The HTTP front gets the key through its environment, never its"
+    " command line, which ps shows to every user: prefer the variable to this flag too"
+)
+ZMQ_HOST_HELP = (
+    "address the ZeroMQ request socket binds to (loopback whatever --host is): it takes"
+    " generate, abort and flush_cache with no key from anyone who can reach it, so bind it"
+    " elsewhere only on a network you trust"
+)
+
+
+def secret_field(help: str) -> Any:
+    """A flag of no default whose value stays out of the dataclass's repr (and so out of
+    log lines that print the settings)."""
+    return dataclasses.field(default=None, repr=False, metadata={"help": help})
 
 
 @dataclass(frozen=True)
@@ -94,7 +112,11 @@ class ServerArgs:
     disaggregation_transfer_backend: str = _f(
         "fake", "how KV reaches the decode side", choices=TRANSFER_BACKENDS
     )
-    host: str = _f("127.0.0.1", "address the HTTP front and the request socket bind to")
+    host: str = _f(
+        LOOPBACK,
+        "address the HTTP front and the bootstrap endpoint bind to (the request socket:"
+        " --zmq-host)",
+    )
     port: int = _f(
         ports.DEFAULT_PORT,
         "HTTP port: SGLang's API, served by the HTTP front process; --zmq-port and"
@@ -105,6 +127,8 @@ class ServerArgs:
         "the ZeroMQ JSON request socket's port (the HTTP front, bench and chaos use it);"
         " default --port + 100",
     )
+    zmq_host: str = _f(LOOPBACK, ZMQ_HOST_HELP)
+    api_key: str | None = secret_field(API_KEY_HELP)
     disable_http_front: bool = _f(
         False, "serve the ZeroMQ request socket only: no HTTP front process (as the bench does)"
     )
@@ -286,6 +310,8 @@ class ServerArgs:
                 raise ValueError(f"--{name}: one of {allowed}, got {value!r}")
         if self.staging not in STAGINGS:
             raise ValueError(f"--staging: one of {STAGINGS}")
+        if self.api_key == "":
+            raise ValueError("--api-key must not be empty")
         self._check_ports()
         if self.tp_size > 1:
             self._check_tp()
@@ -340,6 +366,13 @@ class ServerArgs:
         if self.serves_bootstrap:
             out.append(self.bootstrap_listen)
         return out
+
+    @property
+    def binds(self) -> list[tuple[str, Listen]]:
+        """Each port of `listens` with the host it binds: --zmq-host for the request socket,
+        --host for the others."""
+        zmq = self.zmq_listen
+        return [(self.zmq_host if listen == zmq else self.host, listen) for listen in self.listens]
 
     @property
     def torch_device(self) -> str:

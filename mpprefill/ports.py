@@ -16,6 +16,12 @@ bootstrap endpoint); a decode without a front keeps its fixed 30201 and 30200. S
 whose `--port` values lie within 100 of each other therefore share no port, so several
 prefills and decodes run on one host given `--port` alone, as SGLang's servers do.
 
+Each binds `--host`, except the ZeroMQ request socket, which binds `--zmq-host`: loopback
+unless that flag says otherwise, as the socket takes generate, abort and flush_cache from
+anyone who reaches it, with no key (the HTTP front, on this host, is the way in from
+outside). The bootstrap endpoint and the decode receiver bind `--host` itself: every
+interface only when it is a wildcard such as 0.0.0.0.
+
 A server checks every port of its own when it starts (`check_free`), so a port in use
 fails before a model loads; each is bound where it is used, a ZeroMQ bind inside
 `binding` and the HTTP front's by the server (`listen_socket`), the front inheriting it,
@@ -128,10 +134,10 @@ def listen_or_close(host: str, listen: Listen, close: Callable[[], None]) -> soc
         raise
 
 
-def check_free(host: str, listens: Iterable[Listen]) -> None:
-    """PortUnavailable for the first of `listens` nothing could listen on now (a port 0
-    is any free one: not checked)."""
-    for listen in listens:
+def check_free(binds: Iterable[tuple[str, Listen]]) -> None:
+    """PortUnavailable for the first (host, port) of `binds` nothing could listen on now (a
+    port 0 is any free one: not checked)."""
+    for host, listen in binds:
         if listen.port != 0:
             listen_socket(host, listen).close()
 

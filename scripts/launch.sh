@@ -9,7 +9,7 @@
 # and exits 1 naming it.
 #
 # Usage: scripts/launch.sh [--num-decodes N] [--port P] [--host H] [--no-router]
-#                          [--ready-timeout S] [flags of mpprefill serve ...]
+#                          [--api-key KEY] [--ready-timeout S] [flags of mpprefill serve ...]
 # Every other flag goes to `mpprefill serve`. These go to the decodes as well, whose
 # model and pool must match the prefill's: --model-path --tokenizer-path
 # --skip-tokenizer-init --page-size --dtype --kv-cache-dtype --random-seed
@@ -30,6 +30,12 @@
 #
 # The printed request sends `text`: the model's tokenizer, or without --model-path the
 # built-in model's byte-level one.
+#
+# --api-key KEY (or MPPREFILL_API_KEY in the environment): every HTTP route but /health of
+# every server, and of the router, needs `Authorization: Bearer KEY`. The servers get the
+# key in their environment (MPPREFILL_API_KEY), not on their command lines, which ps shows;
+# the router has only its flag (--api-key), which it also sends to the servers. The printed
+# lines read the key from $MPPREFILL_API_KEY.
 # MPPREFILL_PYTHON=/path/to/python runs that interpreter's mpprefill, with no set-up.
 source "$(dirname "$0")/_env.sh"
 if [ -n "${MPPREFILL_PYTHON:-}" ]; then
@@ -72,7 +78,8 @@ while [ $# -gt 0 ]; do
     case "$flag" in
     --num-decodes | --port | --host | --ready-timeout | --disaggregation-transfer-backend | \
         --disaggregation-bootstrap-port | --log-level | --model-path | --tokenizer-path | \
-        --page-size | --dtype | --kv-cache-dtype | --random-seed | --sliding-window | --swa-layers)
+        --page-size | --dtype | --kv-cache-dtype | --random-seed | --sliding-window | --swa-layers | \
+        --api-key)
         if [ "$inline" = 0 ]; then
             [ $# -gt 0 ] || die "$flag needs a value"
             val="$1"
@@ -85,6 +92,10 @@ while [ $# -gt 0 ]; do
     --port) PORT="$val" ;;
     --host) HOST="$val" ;;
     --no-router) ROUTER=no ;;
+    --api-key)
+        [ -n "$val" ] || die "--api-key must not be empty"
+        export MPPREFILL_API_KEY="$val"
+        ;;
     --ready-timeout) READY_TIMEOUT="$val" ;;
     --disaggregation-transfer-backend) BACKEND="$val" ;;
     --disaggregation-bootstrap-port) BOOT="$val" ;;
@@ -114,6 +125,12 @@ is_int "$PORT" && [ "$PORT" -ge 1001 ] && [ "$((PORT + 201 + NUM_DECODES))" -le 
 is_int "$READY_TIMEOUT" || die "--ready-timeout must be whole seconds, got $READY_TIMEOUT"
 PREFILL_PORT=$((PORT + 1))
 case "$HOST" in 0.0.0.0 | "::" | "[::]" | "") CLIENT_HOST=127.0.0.1 ;; *) CLIENT_HOST="$HOST" ;; esac
+KEY_HEADER=""
+ROUTER_KEY=()
+if [ -n "${MPPREFILL_API_KEY:-}" ]; then
+    KEY_HEADER="-H \"Authorization: Bearer \$MPPREFILL_API_KEY\""
+    ROUTER_KEY=(--api-key "$MPPREFILL_API_KEY")
+fi
 case "$LOG_LEVEL" in warning) ROUTER_LOG=warn ;; critical) ROUTER_LOG=error ;; *) ROUTER_LOG="$LOG_LEVEL" ;; esac
 
 if [ "$BACKEND" = fake ]; then
@@ -198,9 +215,12 @@ check_dead() {
 
 http_ok() { # URL [JSON body]: 200 within 60 s
     "$PY" - "$@" <<'EOF' 2>/dev/null
-import sys, urllib.request
+import os, sys, urllib.request
 url, body = sys.argv[1], (sys.argv[2].encode() if len(sys.argv) > 2 else None)
-req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+headers = {"Content-Type": "application/json"}
+if os.environ.get("MPPREFILL_API_KEY"):
+    headers["Authorization"] = "Bearer " + os.environ["MPPREFILL_API_KEY"]
+req = urllib.request.Request(url, body, headers)
 sys.exit(0 if urllib.request.urlopen(req, timeout=60).status == 200 else 1)
 EOF
 }
@@ -236,7 +256,12 @@ done
 PROMPT='"text": "The capital of France is"'
 OPENAI_PROMPT='"The capital of France is"'
 PARAMS='"sampling_params": {"temperature": 0, "max_new_tokens": 16}'
-JSON="-H 'Content-Type: application/json'"
+JSON="-H 'Content-Type: application/json'${KEY_HEADER:+ $KEY_HEADER}"
+OPENAI_KEY='"none"'
+if [ -n "$KEY_HEADER" ]; then
+    OPENAI_KEY='__import__("os").environ["MPPREFILL_API_KEY"]'
+    say "the lines below send \$MPPREFILL_API_KEY as the key: export it in your shell first"
+fi
 if [ "$ROUTER" = yes ]; then
     DECODES=()
     for ((i = 1; i <= NUM_DECODES; i++)); do
@@ -245,14 +270,14 @@ if [ "$ROUTER" = yes ]; then
     start router "$PORT" "$PY" -m sglang_router.launch_router --pd-disaggregation \
         --prefill "http://$CLIENT_HOST:$PREFILL_PORT" "$BOOT" "${DECODES[@]}" \
         --host "$HOST" --port "$PORT" --prometheus-port $((PORT - 1000)) \
-        --policy round_robin --log-level "$ROUTER_LOG"
+        --policy round_robin --log-level "$ROUTER_LOG" "${ROUTER_KEY[@]}"
     one='{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}'
     wait_ready "router" "http://$CLIENT_HOST:$PORT/generate" "$one"
     URL="http://$CLIENT_HOST:$PORT"
     say "ready: router $URL, prefill :$PREFILL_PORT, $NUM_DECODES decode(s) from :$((PREFILL_PORT + 1))"
     echo "curl -s $URL/generate $JSON -d '{$PROMPT, $PARAMS}'"
     "$PY" -c "import openai" 2>/dev/null || say "the openai line needs the client: $PY -m pip install openai"
-    echo "$PY -c 'from openai import OpenAI; c = OpenAI(base_url=\"$URL/v1\", api_key=\"none\");" \
+    echo "$PY -c 'from openai import OpenAI; c = OpenAI(base_url=\"$URL/v1\", api_key=$OPENAI_KEY);" \
         "print(c.completions.create(model=\"default\", prompt=$OPENAI_PROMPT, max_tokens=16," \
         "temperature=0).choices[0].text)'"
 elif [ "$BACKEND" = fake ]; then

@@ -95,7 +95,7 @@ def test_a_port_in_use_is_one_line_naming_its_flag():
     with _occupied(base + 100):
         derived = ports.derive("--zmq-port", None, base, ports.ZMQ_OFFSET)
         with pytest.raises(ports.PortUnavailable) as e:
-            ports.check_free("127.0.0.1", [Listen("--port", base), derived])
+            ports.check_free([("127.0.0.1", Listen("--port", base)), ("127.0.0.1", derived)])
         assert e.value.line("mpprefill serve") == (
             f"mpprefill serve: --zmq-port {base + 100} is in use (derived from --port"
             f" {base}); pass another --port or --zmq-port"
@@ -110,7 +110,8 @@ def test_a_port_in_use_is_one_line_naming_its_flag():
 def test_checking_ports_holds_none_of_them():
     free, held = free_port(), free_port()
     listens = [Listen("--port", free), Listen("--zmq-port", held)]
+    binds = [("127.0.0.1", listen) for listen in listens]
     with _occupied(held), pytest.raises(ports.PortUnavailable, match="--zmq-port"):
-        ports.check_free("127.0.0.1", listens)
-    ports.check_free("127.0.0.1", listens)
+        ports.check_free(binds)
+    ports.check_free(binds)
     ports.listen_socket("127.0.0.1", listens[0]).close()  # bindable again at once

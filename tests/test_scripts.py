@@ -207,3 +207,19 @@ def test_launch_sh_without_the_router_says_how_to_install_it(tree):
 def test_launch_sh_refuses_bad_launcher_flags(tree, argv, why):
     done = run_launch(tree, *argv)
     assert done.returncode == 2 and why in done.stderr and done.started == []
+
+
+def test_launch_sh_api_key_reaches_the_router_by_flag_and_the_servers_by_environment(tree):
+    done = run_launch(tree, "--port", "40000", "--api-key", "s3cret", servers=3)
+    servers = [ln for ln in done.started if "sglang_router" not in ln]
+    (router,) = [ln for ln in done.started if "sglang_router" in ln]
+    assert len(servers) == 2 and not [ln for ln in servers if "s3cret" in ln]
+    assert router.endswith(" --api-key s3cret")
+    curl, openai = done.stdout.splitlines()
+    assert '-H "Authorization: Bearer $MPPREFILL_API_KEY"' in curl
+    assert 'api_key=__import__("os").environ["MPPREFILL_API_KEY"]' in openai
+
+
+def test_launch_sh_refuses_an_empty_api_key(tree):
+    done = run_launch(tree, "--api-key", "")
+    assert done.returncode == 2 and "--api-key must not be empty" in done.stderr

@@ -25,6 +25,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from mpprefill.http import bodies
 from mpprefill.http.args import HttpArgs
+from mpprefill.http.auth import require_api_key
 from mpprefill.http.chat_template import ChatTemplate
 from mpprefill.http.errors import HttpError, bad_request, error_body
 from mpprefill.http.link import FrameTooLarge, NoReply, RidInFlight, SchedulerLink
@@ -353,6 +354,7 @@ def build_app(
     app.add_api_route("/v1/completions", openai.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", openai.chat_completions, methods=["POST"])
     _add_error_handlers(app)
+    require_api_key(app, args.api_key)
     return app
 
 

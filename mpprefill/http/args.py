@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mpprefill.flags import _f
 
@@ -37,6 +37,15 @@ class HttpArgs:
     max_body_bytes: int = _f(64 << 20, "request bodies larger than this get 413, unread")
     request_timeout: float = _f(600.0, "seconds a request waits for the scheduler's reply")
     health_timeout: float = _f(10.0, "seconds /health waits for the scheduler's stats")
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "every route but /health needs `Authorization: Bearer KEY` (else 401);"
+            " default $MPPREFILL_API_KEY, which keeps the key off the command line that ps"
+            " shows (`mpprefill serve` and `decode` pass theirs so)"
+        },
+    )
     log_level: str = _f("info", "logging level")
     parent_pid: int | None = _f(
         None, "exit when this process exits (`mpprefill serve` and `decode` pass their own pid)"
@@ -54,6 +63,8 @@ class HttpArgs:
             raise ValueError("--request-timeout and --health-timeout must be positive")
         if ":" not in self.zmq_address.rpartition("://")[2]:
             raise ValueError(f"--zmq-address must be host:port, got {self.zmq_address!r}")
+        if self.api_key == "":
+            raise ValueError("--api-key must not be empty")
 
     @property
     def resolved_tokenizer_path(self) -> str | None:

@@ -7,7 +7,10 @@ The server binds the front's port itself, so that a port in use is its one line
 The front is its own process (`python -m mpprefill.http`) so that HTTP parsing and
 tokenization never take the server's GIL. It is given the server's pid (`--parent-pid`) and
 asks the kernel for SIGTERM when that process exits (PR_SET_PDEATHSIG, `ipc.die_with_parent`),
-so a server killed at once does not leave it serving. This module loads no web framework.
+so a server killed at once does not leave it serving. The server's `--api-key` reaches the
+front in its environment ($MPPREFILL_API_KEY, which the front also inherits from the server
+when no flag was given), not on its command line, which `ps` shows to every user of the
+host. This module loads no web framework.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import subprocess
 import sys
 from typing import Protocol
 
+from mpprefill.http.auth import API_KEY_ENV
+
 logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0  # the front's graceful shutdown is 5 s
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*", "")  # hosts that bind every interface
@@ -29,6 +34,8 @@ class FrontSettings(Protocol):
 
     host: str
     port: int
+    zmq_host: str
+    api_key: str | None
     log_level: str
     model_path: str | None
     tokenizer_path: str | None
@@ -53,7 +60,7 @@ def front_command(args: FrontSettings, zmq_port: int, listen_fd: int | None = No
     """`python -m mpprefill.http` with the server's HTTP settings, pointed at its socket;
     serving on the inherited socket `listen_fd`, where given."""
     cmd = [sys.executable, "-m", "mpprefill.http"]
-    cmd += ["--zmq-address", local_address(args.host, zmq_port), "--host", args.host]
+    cmd += ["--zmq-address", local_address(args.zmq_host, zmq_port), "--host", args.host]
     cmd += ["--port", str(args.port), "--parent-pid", str(os.getpid())]
     if listen_fd is not None:
         cmd += ["--listen-fd", str(listen_fd)]
@@ -73,6 +80,16 @@ def front_command(args: FrontSettings, zmq_port: int, listen_fd: int | None = No
     return cmd
 
 
+def front_env(api_key: str | None) -> dict[str, str]:
+    """The front's environment: this process's, with $MPPREFILL_API_KEY the server's
+    `--api-key` where given (else the front takes this process's $MPPREFILL_API_KEY, if
+    any, as its key)."""
+    env = dict(os.environ)
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
+    return env
+
+
 class HttpFrontProcess:
     """The spawned front; `stop()` ends it (SIGTERM, then SIGKILL), `kill()` at once.
     `listener`: the front's socket, bound and listening, which it inherits (closed here)."""
@@ -83,7 +100,8 @@ class HttpFrontProcess:
         fd = listener.fileno()
         try:
             cmd = front_command(args, zmq_port, fd)
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(fd,))
+            env = front_env(args.api_key)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(fd,), env=env)
         finally:
             listener.close()  # the front's copy is the one that serves
         logger.info("HTTP front (pid %d) on %s:%d", self.proc.pid, args.host, args.port)

@@ -13,6 +13,7 @@ import ipc
 from mpprefill import ports
 from mpprefill.flags import add_flags, from_namespace
 from mpprefill.http.args import HttpArgs
+from mpprefill.http.auth import API_KEY_ENV
 from mpprefill.http.chat_template import ChatTemplate
 from mpprefill.http.tokenizer import TextTokenizer
 
@@ -101,4 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return run_http(from_namespace(HttpArgs, ns))
+    return run_http(from_namespace(HttpArgs, ns, api_key=api_key(ns.api_key)))
+
+
+def api_key(given: str | None) -> str | None:
+    """--api-key, else $MPPREFILL_API_KEY (unset or empty: no key)."""
+    return given if given is not None else os.environ.get(API_KEY_ENV) or None

@@ -50,10 +50,10 @@ class PrefillServer:
         self.profiler: RuntimeProfiler | None = None
         self.t_start = time.monotonic()
         # NOTE: the ports first: one that cannot be had fails here, before a worker starts.
-        ports.check_free(args.host, args.listens)
+        ports.check_free(args.binds)
         self.ctx = zmq.Context()
-        with ports.binding(args.host, args.zmq_listen):
-            self.sock = protocol.bind_server_socket(self.ctx, args.host, args.zmq_listen.port)
+        with ports.binding(args.zmq_host, args.zmq_listen):
+            self.sock = protocol.bind_server_socket(self.ctx, args.zmq_host, args.zmq_listen.port)
         signals.install(self._on_signal, self._exit_now)
         if args.trace_dir:
             set_tracer(Tracer("scheduler", enabled=True))
@@ -291,7 +291,7 @@ class PrefillServer:
     def serve_forever(self) -> int:
         logger.info(
             "prefill server on %s:%d (ZeroMQ), forward mode %s, transfer %s",
-            self.args.host,
+            self.args.zmq_host,
             self.args.zmq_listen.port,
             self.mode,
             self.transfer.name,

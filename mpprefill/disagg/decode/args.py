@@ -4,7 +4,9 @@
 Its sockets: `--receiver-port` the receiver (prefill transfer backends, a registering
 router), `--zmq-port` the request protocol (server/protocol.py) for clients and the HTTP
 front, `--port` the HTTP front (SGLang's meaning; 0: none). With a front, the other two
-derive from `--port` when not given (mpprefill.ports); without one they are fixed."""
+derive from `--port` when not given (mpprefill.ports); without one they are fixed. The
+receiver and the front bind `--host`; the request socket binds `--zmq-host`, loopback
+unless asked otherwise."""
 
 from __future__ import annotations
 
@@ -12,7 +14,14 @@ import socket
 from dataclasses import dataclass
 
 from mpprefill import ports
-from mpprefill.config import DTYPES, ServerArgs
+from mpprefill.config import (
+    API_KEY_HELP,
+    DTYPES,
+    LOOPBACK,
+    ZMQ_HOST_HELP,
+    ServerArgs,
+    secret_field,
+)
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import DECODE_BACKENDS
 from mpprefill.disagg.decode.delay import TransferDelay
@@ -33,7 +42,9 @@ def _server(name: str):
 
 @dataclass(frozen=True)
 class DecodeArgs:
-    host: str = _f("127.0.0.1", "address the sockets (and the HTTP front) bind to")
+    host: str = _f(
+        LOOPBACK, "address the receiver and the HTTP front bind to (the request socket: --zmq-host)"
+    )
     advertise_host: str | None = _f(
         None,
         "host the prefills are told to send KV to (this receiver's address when it registers"
@@ -56,6 +67,8 @@ class DecodeArgs:
         "port of the request socket (generate, abort, stats; 0: any free port); default"
         f" --port + 100, or {ZMQ_PORT} without a front",
     )
+    zmq_host: str = _f(LOOPBACK, ZMQ_HOST_HELP)
+    api_key: str | None = secret_field(API_KEY_HELP)
     page_size: int = _f(16, "tokens per receive page")
     max_total_tokens: int = _f(16384, "receive pool capacity in tokens")
     model_path: str | None = _f(
@@ -120,6 +133,8 @@ class DecodeArgs:
             raise ValueError("--max-queued-registrations must not be negative")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be positive")
+        if self.api_key == "":
+            raise ValueError("--api-key must not be empty")
         for listen in (Listen("--port", self.port), self.zmq_listen, self.receiver_listen):
             ports.check_range(listen)
         if self.verify and self.emulate_model is not None:
@@ -148,6 +163,13 @@ class DecodeArgs:
         request socket's and the receiver's."""
         front = [self.http_listen] if self.http_listen is not None else []
         return [*front, self.zmq_listen, self.receiver_listen]
+
+    @property
+    def binds(self) -> list[tuple[str, Listen]]:
+        """Each port of `listens` with the host it binds: --zmq-host for the request socket,
+        --host for the others."""
+        zmq = self.zmq_listen
+        return [(self.zmq_host if listen == zmq else self.host, listen) for listen in self.listens]
 
     def _derive(self, flag: str, given: int | None, offset: int, fixed: int) -> Listen:
         if given is None and not self.port:

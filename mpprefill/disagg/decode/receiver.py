@@ -109,7 +109,9 @@ class DecodeReceiver:
         # first: bad flags leak no pool
         self.verifier = KVVerifier(args, model, dtypes.kv_torch) if args.verify else None
         backend = args.disaggregation_transfer_backend
-        self.pool = make_decode_pool(backend, self.layout, dtypes.kv_torch, args.host)
+        # NOTE: the pool's peers (a mooncake session) are named by the advertised host, the
+        # one the prefills reach this receiver at, as its registrations name it.
+        self.pool = make_decode_pool(backend, self.layout, dtypes.kv_torch, args.advertised_host)
         self._pool_desc = self.pool.describe()
         self.allocator = PagedTokenAllocator(num_pages, args.page_size)
         self.instance = secrets.token_hex(8)
@@ -146,7 +148,8 @@ class DecodeReceiver:
 
     @property
     def address(self) -> str:
-        return f"{self.args.host}:{self.port}"
+        """Where the prefills reach this receiver (it binds --host, see `__init__`)."""
+        return f"{self.args.advertised_host}:{self.port}"
 
     @property
     def busy(self) -> bool:

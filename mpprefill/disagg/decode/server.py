@@ -79,7 +79,7 @@ class DecodeServer:
     def __init__(self, args: DecodeArgs) -> None:
         self.args = args
         # NOTE: the ports first: one that cannot be had fails here, before the model loads.
-        ports.check_free(args.host, args.listens)
+        ports.check_free(args.binds)
         self.front: HttpFrontProcess | None = None
         self.model = None if args.emulate_model is not None else load_decode_model(args)
         with ports.binding(args.host, args.receiver_listen):
@@ -100,8 +100,9 @@ class DecodeServer:
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
         try:
-            with ports.binding(args.host, args.zmq_listen):
-                self.sock = protocol.bind_server_socket(self.ctx, args.host, args.zmq_listen.port)
+            with ports.binding(args.zmq_host, args.zmq_listen):
+                zmq_port = args.zmq_listen.port
+                self.sock = protocol.bind_server_socket(self.ctx, args.zmq_host, zmq_port)
         except ports.PortUnavailable:
             self.rx.close()
             self.ctx.term()
@@ -115,7 +116,7 @@ class DecodeServer:
             self._start_front()
         logger.info(
             "decode server: requests on %s:%d, receiver on %s, %s",
-            args.host,
+            args.zmq_host,
             self.zmq_port,
             own,
             "generating" if self.generator is not None else "receiving only",
