@@ -2,7 +2,9 @@
 
 Each route parses its body here, off the scheduler's process; the scheduler sees only the
 protocol's frames. Errors are HTTP status codes with `{"error": {"message", "code"}}`
-bodies (errors.py); a body over `--max-body-bytes` gets 413 before any of it is parsed.
+bodies (errors.py); a body over `--max-body-bytes` gets 413 before any of it is parsed,
+and a text longer in characters than the context could hold gets 400 before it is
+tokenized (bodies.check_text_lengths; tokenizing runs on a thread, off the event loop).
 `/metrics` is metrics.py; `/flush_cache` and the profiling routes are the protocol's
 control messages.
 """
@@ -35,6 +37,7 @@ from mpprefill.http.responses import (
     ClientGone,
     FastJSONResponse,
     error_event,
+    free_big_buffers_to_the_os,
     read_json,
     sse,
     until_disconnect,
@@ -70,6 +73,7 @@ class HttpFront:
         return self._context_length
 
     async def start(self) -> None:
+        free_big_buffers_to_the_os()
         self.link = SchedulerLink(self.args.zmq_address)
         self.link.start()
 
@@ -84,7 +88,8 @@ class HttpFront:
         body = bodies.parse_generate(await read_json(request, self.args.max_body_bytes))
         items = body.items
         if any(it.text is not None for it in items):
-            items = await asyncio.to_thread(bodies.tokenize, items, self.tokenizer)
+            context = await self.context_length() if self.tokenizer is not None else None
+            items = await asyncio.to_thread(bodies.tokenize, items, self.tokenizer, context)
         if body.stream:
             events = self._events(items, body.batch, t0)
             return StreamingResponse(events, media_type="text/event-stream")
