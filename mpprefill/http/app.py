@@ -67,8 +67,8 @@ class HttpFront:
         """The longest prompt plus output the server takes, as its stats say (asked once)."""
         if self._context_length is None:
             stats = await self._stats()
-            if not isinstance(stats.get("context_length"), int):
-                raise HttpError(500, "the server's stats give no context_length")
+            if not isinstance(stats.get("context_length"), int):  # a decode that emulates
+                raise HttpError(503, "the server does not generate: its stats give no context")
             self._context_length = stats["context_length"]
         return self._context_length
 
@@ -227,7 +227,11 @@ class HttpFront:
         return Response(status_code=200)
 
     async def health_generate(self) -> Response:
-        """A one-token greedy generate of token 0."""
+        """A one-token greedy generate of token 0. A prefill or decode server of a PD pair
+        cannot generate alone (the other side makes or takes the KV): its stats answer."""
+        stats = await self._stats()
+        if stats.get("disaggregation_mode") in ("prefill", "decode"):
+            return Response(status_code=200)
         rid = f"health-{uuid.uuid4().hex}"
         sampling = {"temperature": 0.0, "max_new_tokens": 1}
         reply = await _answer(
