@@ -2,7 +2,9 @@
 
 Each route parses its body here, off the scheduler's process; the scheduler sees only the
 protocol's frames. Errors are HTTP status codes with `{"error": {"message", "code"}}`
-bodies (errors.py); a body over `--max-body-bytes` gets 413 before any of it is parsed.
+bodies (errors.py); a body over `--max-body-bytes` gets 413 before any of it is parsed,
+and a text longer in characters than the context could hold gets 400 before it is
+tokenized (bodies.check_text_lengths; tokenizing runs on a thread, off the event loop).
 `/metrics` is metrics.py; `/flush_cache` and the profiling routes are the protocol's
 control messages.
 """
@@ -36,6 +38,7 @@ from mpprefill.http.responses import (
     ClientGone,
     FastJSONResponse,
     error_event,
+    free_big_buffers_to_the_os,
     read_json,
     sse,
     until_disconnect,
@@ -65,12 +68,13 @@ class HttpFront:
         """The longest prompt plus output the server takes, as its stats say (asked once)."""
         if self._context_length is None:
             stats = await self._stats()
-            if not isinstance(stats.get("context_length"), int):
-                raise HttpError(500, "the server's stats give no context_length")
+            if not isinstance(stats.get("context_length"), int):  # a decode that emulates
+                raise HttpError(503, "the server does not generate: its stats give no context")
             self._context_length = stats["context_length"]
         return self._context_length
 
     async def start(self) -> None:
+        free_big_buffers_to_the_os()
         self.link = SchedulerLink(self.args.zmq_address)
         self.link.start()
 
@@ -85,7 +89,8 @@ class HttpFront:
         body = bodies.parse_generate(await read_json(request, self.args.max_body_bytes))
         items = body.items
         if any(it.text is not None for it in items):
-            items = await asyncio.to_thread(bodies.tokenize, items, self.tokenizer)
+            context = await self.context_length() if self.tokenizer is not None else None
+            items = await asyncio.to_thread(bodies.tokenize, items, self.tokenizer, context)
         if body.stream:
             events = self._events(items, body.batch, t0)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -223,7 +228,11 @@ class HttpFront:
         return Response(status_code=200)
 
     async def health_generate(self) -> Response:
-        """A one-token greedy generate of token 0."""
+        """A one-token greedy generate of token 0. A prefill or decode server of a PD pair
+        cannot generate alone (the other side makes or takes the KV): its stats answer."""
+        stats = await self._stats()
+        if stats.get("disaggregation_mode") in ("prefill", "decode"):
+            return Response(status_code=200)
         rid = f"health-{uuid.uuid4().hex}"
         sampling = {"temperature": 0.0, "max_new_tokens": 1}
         reply = await _answer(

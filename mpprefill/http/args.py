@@ -34,7 +34,13 @@ class HttpArgs:
     skip_tokenizer_init: bool = _f(
         False, "ids only: no tokenizer, `text` input refused (the default without a model dir)"
     )
-    max_body_bytes: int = _f(64 << 20, "request bodies larger than this get 413, unread")
+    max_body_bytes: int = _f(
+        32 << 20,
+        "request bodies larger than this get 413, before any of them is parsed. The largest"
+        " legitimate body is a batch of long prompts as input_ids: at most 8 bytes a token"
+        " ('128255, '), so 16 prompts at a 128k context take 16 MiB; the default is twice"
+        " that (a prompt's frame to the server holds at most 4 MiB anyway)",
+    )
     request_timeout: float = _f(600.0, "seconds a request waits for the scheduler's reply")
     health_timeout: float = _f(10.0, "seconds /health waits for the scheduler's stats")
     api_key: str | None = field(

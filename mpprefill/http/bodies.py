@@ -254,8 +254,11 @@ def _wire_sampling(sampling: dict, max_new: int) -> dict[str, Any]:
     return wire
 
 
-def tokenize(items: list[GenerateItem], tokenizer: TextTokenizer | None) -> list[GenerateItem]:
-    """Every item with its input_ids; text needs a tokenizer, and so do stop strings."""
+def tokenize(
+    items: list[GenerateItem], tokenizer: TextTokenizer | None, context_length: int | None = None
+) -> list[GenerateItem]:
+    """Every item with its input_ids; text needs a tokenizer, and so do stop strings. With
+    `context_length`, a text longer than any prompt that fits is refused unencoded."""
     if tokenizer is None and any(it.stops for it in items):
         raise bad_request("stop strings need a tokenizer; this front has none")
     texts = [it.text for it in items if it.text is not None]
@@ -263,6 +266,8 @@ def tokenize(items: list[GenerateItem], tokenizer: TextTokenizer | None) -> list
         return items
     if tokenizer is None:
         raise bad_request("text input needs a tokenizer; this front has none: send input_ids")
+    if context_length is not None:
+        check_text_lengths(texts, tokenizer, context_length)
     encoded = iter(tokenizer.encode(texts))
     out = [
         it if it.text is None else dataclasses.replace(it, input_ids=next(encoded)) for it in items
@@ -270,6 +275,27 @@ def tokenize(items: list[GenerateItem], tokenizer: TextTokenizer | None) -> list
     if any(not it.input_ids for it in out):
         raise bad_request("a text encodes to no tokens")
     return out
+
+
+def max_text_chars(tokenizer: TextTokenizer, context_length: int) -> int:
+    """The most characters a text of `context_length` tokens can have: each token covers at
+    most `max_token_chars`, plus one for a separator a pre-tokenizer drops between tokens
+    (whitespace splitting). NOTE: exact for byte-level BPE and SentencePiece, which keep
+    every character; a text padded with runs of whitespace that a whitespace-splitting
+    tokenizer would drop is refused too."""
+    return context_length * (tokenizer.max_token_chars + 1)
+
+
+def check_text_lengths(texts: list[str], tokenizer: TextTokenizer, context_length: int) -> None:
+    """400 for a text too long in characters to fit `context_length` tokens, before any of
+    it is encoded: encoding costs time and memory in proportion to the text."""
+    limit = max_text_chars(tokenizer, context_length)
+    for text in texts:
+        if len(text) > limit:
+            raise bad_request(
+                f"a text of {len(text)} characters is longer than any prompt of the context"
+                f" length ({context_length} tokens, at most {limit} characters) can be"
+            )
 
 
 @dataclass(frozen=True, slots=True)

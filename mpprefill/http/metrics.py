@@ -6,9 +6,11 @@ Two sources:
 - what the front measures of each request it answers (its own registry): the counters of
   prompt, cached and generated tokens and of requests, and the latency histograms (time
   to first token, end to end), from the moment the body was read;
-- the scheduler's `stats` reply, asked for at each scrape (`SchedulerCollector`): queue
-  lengths, KV pool usage, the prefix cache's hit rate, KV transfers, and mpprefill's own
-  overlap figures under `mpprefill:`.
+- the server's `stats` reply, asked for at each scrape (`SchedulerCollector`). A prefill
+  server's: queue lengths, KV pool usage, the prefix cache's hit rate, KV transfers, and
+  mpprefill's own overlap figures under `mpprefill:`. A decode server's (its stats say
+  `disaggregation_mode: decode`): its batch and queues (SGLang's decode names: the
+  prealloc queue waits for pages, the transfer queue for KV) and its KV pool's usage.
 
 The overlap gauges (forward busy fraction, t_sched) cover the time since the previous
 scrape (since the server started, at the first one); the hand-off gap is the median of
@@ -95,10 +97,14 @@ class SchedulerCollector:
     def update(self, stats: dict[str, Any]) -> None:
         """A fresh stats reply; the windowed gauges cover the time since the last one."""
         self._prev, self.stats = self.stats, stats
-        self._window = _window(self._prev, stats)
+        self._window = {} if _is_decode(stats) else _window(self._prev, stats)
 
     def collect(self):
         if self.stats is None:
+            return
+        if _is_decode(self.stats):
+            for name, doc, value in _decode_gauges(self.stats):
+                yield self._family(GaugeMetricFamily, name, doc, value)
             return
         for name, doc, value in self._gauges():
             yield self._family(GaugeMetricFamily, name, doc, value)
@@ -189,6 +195,33 @@ class SchedulerCollector:
             ),
             ("mpprefill:failed_reqs_total", "Requests the scheduler failed.", c["num_failed"]),
         ]
+
+
+def _is_decode(stats: dict[str, Any]) -> bool:
+    return stats.get("disaggregation_mode") == "decode"
+
+
+def _decode_gauges(s: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """A decode server's figures, from its stats (disagg/decode/server.py)."""
+    total = s["max_total_num_tokens"]
+    used = s["load"]["num_tokens"]
+    return [
+        ("sglang:num_running_reqs", "Requests in the decode batch.", s["running"]),
+        ("sglang:num_queue_reqs", "Requests with their KV, waiting for the batch.", s["waiting"]),
+        (
+            "sglang:num_decode_prealloc_queue_reqs",
+            "Requests waiting for KV pages.",
+            s["pending"],
+        ),
+        (
+            "sglang:num_decode_transfer_queue_reqs",
+            "Requests whose KV is on its way from the prefill.",
+            s["rooms"],
+        ),
+        ("sglang:num_used_tokens", "KV tokens held by requests.", used),
+        ("sglang:token_usage", "KV pool usage by requests.", used / total if total else 0.0),
+        ("sglang:max_total_num_tokens", "KV pool capacity in tokens.", total),
+    ]
 
 
 def _window(prev: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, float]:

@@ -80,21 +80,33 @@ class OpenAIServing:
         t0 = time.perf_counter()
         raw = await self.front.read_body(request)
         body = op.parse(op.CompletionRequest, raw)
-        prompts = await asyncio.to_thread(self._completion_prompts, body)
+        context = await self._context_for_text()
+        prompts = await asyncio.to_thread(self._completion_prompts, body, context)
         return await self._serve(request, body, prompts, t0, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         t0 = time.perf_counter()
         raw = await self.front.read_body(request)
         body = op.parse(op.ChatCompletionRequest, raw)
-        prompt = await asyncio.to_thread(self._chat_prompt, body)
+        context = await self._context_for_text()
+        prompt = await asyncio.to_thread(self._chat_prompt, body, context)
         return await self._serve(request, body, [prompt], t0, chat=True)
 
-    def _completion_prompts(self, body: op.CompletionRequest) -> list[list[int]]:
+    async def _context_for_text(self) -> int | None:
+        """The context length that bounds a text prompt's characters (None: no tokenizer,
+        so no text)."""
+        return await self.front.context_length() if self.front.tokenizer is not None else None
+
+    def _completion_prompts(
+        self, body: op.CompletionRequest, context: int | None
+    ) -> list[list[int]]:
+        """The prompts' ids (on a thread: encoding takes time in proportion to the text)."""
         prompts = body.prompts()
         texts = [p for p in prompts if isinstance(p, str)]
         if texts and self.front.tokenizer is None:
             raise bad_request("a text prompt needs a tokenizer; this front has none")
+        if texts and context is not None:
+            bodies.check_text_lengths(texts, self.front.tokenizer, context)
         encoded = iter(self.front.tokenizer.encode(texts) if texts else [])
         out = [next(encoded) if isinstance(p, str) else p for p in prompts]
         if any(not ids for ids in out):
@@ -103,7 +115,8 @@ class OpenAIServing:
             raise bad_request("prompt token ids must be non-negative integers")
         return out
 
-    def _chat_prompt(self, body: op.ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, body: op.ChatCompletionRequest, context: int | None) -> list[int]:
+        """The rendered chat's ids (on a thread, as _completion_prompts)."""
         tokenizer = self.front.tokenizer
         if tokenizer is None or self.template is None:
             why = "no tokenizer" if tokenizer is None else "no chat template (give --chat-template)"
@@ -118,6 +131,8 @@ class OpenAIServing:
             raise bad_request(f"chat template: {e}") from None
         if body.continue_final_message:
             text = _cut_after_final(text, messages[-1].get("content") or "")
+        if context is not None:
+            bodies.check_text_lengths([text], tokenizer, context)
         (ids,) = tokenizer.encode([text], add_special_tokens=False)
         if not ids:
             raise bad_request("the chat renders to no tokens")

@@ -4,6 +4,7 @@ gone before its reply, server-sent events and the error event of a failed stream
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 from collections.abc import Awaitable
 from typing import Any
@@ -16,6 +17,7 @@ from mpprefill.http.errors import HttpError, bad_request, error_body
 
 logger = logging.getLogger(__name__)
 BIG_BODY_BYTES = 1 << 20  # bodies parsed on a thread, so the event loop keeps serving
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 class FastJSONResponse(JSONResponse):
@@ -31,26 +33,42 @@ class ClientGone(Exception):
 
 
 async def read_json(request: Request, limit: int, empty: Any = None) -> Any:
-    """The body as JSON (`empty` for no body, where given); 413 past `limit` bytes (read
-    no further), 400 if not JSON."""
+    """The body as JSON (`empty` for no body, where given); 413 for a body over `limit`
+    bytes (`limit` itself is allowed), 400 if not JSON.
+
+    NOTE: the size is checked before any parsing: a Content-Length over the limit is
+    refused unread, and a body without one (chunked) as soon as its bytes pass the limit.
+    The bytes gather in one buffer, so a refused body leaves no chunks behind."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise HttpError(413, f"a body of {length} bytes is over the limit of {limit}")
-    chunks, size = [], 0
+    data = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+        if len(data) + len(chunk) > limit:
             raise HttpError(413, f"the body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    data = b"".join(chunks)
+        data += chunk
     if not data and empty is not None:
         return empty
     try:
-        if size > BIG_BODY_BYTES:
+        if len(data) > BIG_BODY_BYTES:
             return await asyncio.to_thread(orjson.loads, data)
         return orjson.loads(data)
     except (ValueError, RecursionError):  # orjson.JSONDecodeError is a ValueError
         raise bad_request("the body is not JSON (or nests too deeply)") from None
+
+
+def free_big_buffers_to_the_os() -> None:
+    """Have the C allocator map every block over BIG_BODY_BYTES on its own, so a body's
+    buffer goes back to the OS when freed, refused or not (no-op off glibc).
+
+    NOTE: glibc otherwise raises its mmap threshold to the largest block freed (up to 32
+    MiB): after one big body, the next ones come from the heap and their pages stay with
+    the process. Fixing the threshold also fixes the heap's trim threshold (128 KiB)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, BIG_BODY_BYTES)
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:

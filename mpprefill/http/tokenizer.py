@@ -17,6 +17,7 @@ random) reads as text rather than as nothing. Its post-processor prepends `<|bos
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -78,6 +79,13 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for: its longest vocabulary string
+        (added tokens too). A byte-level token's string has one character per byte, and a
+        character is at least one byte, so no token covers more characters than this."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """NOTE: `encode_batch` runs in the library's threads without the GIL."""

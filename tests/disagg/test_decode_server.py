@@ -263,12 +263,14 @@ def test_decode_requests_are_checked_and_aborted(cluster):
         c.send_raw(frame)
         reply = c.recv(30)
         assert reply["status"] == "error" and why in reply["error"], reply
+        assert reply["code"] == protocol.Code.BAD_REQUEST, reply
     c.send_raw(cluster.decode_frame("waits", prompt(2), 404, max_new_tokens=3))
     c.send_raw(cluster.decode_frame("waits", prompt(2), 405, max_new_tokens=3))
     assert c.recv(30) == {
         "rid": "waits",
         "status": "error",
         "error": "duplicate rid while the first is live",
+        "code": protocol.Code.BAD_REQUEST,
     }
     other = Client(f"{HOST}:{cluster.decodes[0].zmq_port}")
     other.abort("waits")  # only its sender may abort it

@@ -20,6 +20,7 @@ pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from mpprefill.bench.procs import children, free_port, terminate  # noqa: E402
+from mpprefill.http.args import HttpArgs  # noqa: E402
 from mpprefill.server.client import Client  # noqa: E402
 from tests.http.helpers import Front  # noqa: E402
 
@@ -190,10 +191,11 @@ def test_malformed_bodies_are_400(serve, body, why):
     assert status == 400 and why in data.decode(), data
 
 
-def test_a_64_mib_body_is_413_and_the_front_keeps_serving(serve):
+def test_a_body_over_the_default_limit_is_413_and_the_front_keeps_serving(serve):
+    limit = HttpArgs().max_body_bytes
     mib = b"1, " * ((1 << 20) // 3)
-    chunks = [b'{"input_ids": [', *([mib] * (64 * 3 + 1)), b"1]}"]
-    assert sum(map(len, chunks)) > 64 << 20  # the default --max-body-bytes
+    chunks = [b'{"input_ids": [', *([mib] * (limit * 3 // (1 << 20) + 1)), b"1]}"]
+    assert sum(map(len, chunks)) > limit
     status, _, data = serve.request("POST", "/generate", iter(chunks), timeout=120)
     assert status == 413, data
     status, out = serve.post("/generate", {"input_ids": [1, 2, 3]})

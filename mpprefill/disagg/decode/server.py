@@ -47,6 +47,26 @@ logger = logging.getLogger(__name__)
 MAX_FRAMES_PER_POLL = protocol.REQUEST_HWM
 
 
+def _control_refusal(msg: protocol.FlushCache | protocol.StartProfile | protocol.StopProfile):
+    """The reply to a control message: a decode server holds no prefix cache to flush (a
+    success, as sglang-router's fan-out of /flush_cache needs) and does not profile."""
+    if isinstance(msg, protocol.FlushCache):
+        return protocol.control_reply(msg.rid, "flush_cache", True, "no prefix cache to flush")
+    kind = "start_profile" if isinstance(msg, protocol.StartProfile) else "stop_profile"
+    return protocol.control_reply(msg.rid, kind, False, "a decode server does not profile")
+
+
+def _refusal_code(why: str) -> int | None:
+    """The status of a refused request (None: a front reads it from the reason)."""
+    if why.startswith(("bad input", "duplicate rid", "room ", "prompt needs")):
+        return protocol.Code.BAD_REQUEST
+    if why == "overloaded" or why.endswith("registrations already wait for pages"):
+        return protocol.Code.OVERLOADED
+    if why == "decode shut down" or why.startswith("this decode server does not generate"):
+        return protocol.Code.UNAVAILABLE
+    return None
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     msg: protocol.Generate
@@ -204,15 +224,17 @@ class DecodeServer:
             self._send(ident, json.dumps({**rid, "status": "stats", **self.stats()}).encode())
         elif isinstance(msg, protocol.Abort):
             self._abort(ident, msg.rid)
-        else:
+        elif isinstance(msg, protocol.Generate):
             self._admit(ident, msg)
+        else:
+            self._send(ident, _control_refusal(msg))
 
     def _admit(self, ident: bytes, msg: protocol.Generate) -> None:
         why = self._refusal(msg)
         if why is None:
             why = self.rx.add_request(msg.rid, msg.bootstrap_room, msg.input_ids)
         if why is not None:
-            self._send(ident, protocol.error_reply(msg.rid, why))
+            self._send(ident, protocol.error_reply(msg.rid, why, _refusal_code(why)))
             return
         endpoint = None
         if msg.bootstrap_host is not None:
