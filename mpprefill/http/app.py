@@ -254,7 +254,8 @@ class HttpFront:
         say them) and version, and its stats as SGLang's `internal_states`."""
         stats = await self._stats()
         server = {k: stats[k] for k in SERVER_INFO_FIELDS if k in stats}
-        info = {**dataclasses.asdict(self.args), **server, "version": package_version()}
+        settings = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
+        info = {**settings, **server, "version": package_version()}
         return {**info, "internal_states": [stats]}
 
     async def get_load(self) -> list[dict[str, Any]]:

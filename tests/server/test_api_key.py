@@ -195,6 +195,12 @@ def test_a_served_front_answers_the_right_key(serve):
     assert len(json.loads(data)["output_ids"]) == 1
 
 
+def test_server_info_does_not_give_the_key_back(serve):
+    status, data = request(serve.port, "GET", "/server_info", None, KEY)
+    assert status == 200 and KEY.encode() not in data
+    assert "api_key" not in json.loads(data)
+
+
 def test_the_key_reaches_the_front_in_its_environment_not_its_command_line(serve):
     pid = _front_pid(serve.proc.pid)
     assert KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
