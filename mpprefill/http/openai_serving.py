@@ -210,9 +210,8 @@ class OpenAIServing:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = self._logprobs(
-            body, r.output, r.output.ids, r.output.logprobs, r.output.top_logprobs, chat
-        )
+        out = r.output
+        choice["logprobs"] = self._logprobs(body, out.ids, out.logprobs, out.top_logprobs, chat)
         choice["finish_reason"] = _FINISH.get(finish.get("type"), finish.get("type"))
         matched = finish.get("matched")
         if matched is not None:
@@ -225,7 +224,7 @@ class OpenAIServing:
             raise bad_request("echo needs a tokenizer; this front has none")
         return tokenizer.decode(item.input_ids, item.skip_special_tokens)
 
-    def _logprobs(self, body, output: Output, ids, logprobs, tops, chat: bool):
+    def _logprobs(self, body: op._Common, ids: list[int], logprobs, tops, chat: bool):
         """OpenAI's logprobs object for these tokens; None when not asked."""
         k = body.top_logprobs_num
         if k is None:
@@ -298,9 +297,7 @@ class OpenAIServing:
             def on_delta(output: Output, delta: Delta) -> None:
                 lps = None
                 if delta.logprobs is not None:
-                    lps = self._logprobs(
-                        body, output, delta.ids, delta.logprobs, delta.top_logprobs, chat
-                    )
+                    lps = self._logprobs(body, delta.ids, delta.logprobs, delta.top_logprobs, chat)
                 events.put_nowait(chunk(piece(index, delta.text, lps)))
 
             if chat:
