@@ -23,7 +23,14 @@ the bootstrap endpoint refused only rooms of failed requests; DESIGN.md's invari
 after the drain before the worker kill; no shared segment, no ipc:// socket file and no
 HTTP front of the run is left. Exit status 0 only if every check passes.
 
+`--restart-legs on` (after that run) or `only` (instead of it) adds the restart legs
+(chaoslib/restarts.py): SGLang's router in PD mode with the README's recovery settings over
+a prefill and two decodes, greedy requests flowing, a decode SIGKILLed and restarted on its
+ports, then the prefill; every reply checked against the offline engine, the time to
+recovery reported, and nothing left held by any server after the drain.
+
     python scripts/chaos.py --duration 60 --num-requests 1000 --seed 1
+    python scripts/chaos.py --restart-legs only
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import os
 import sys
 import tempfile
 
+from chaoslib import gateway, restarts
 from chaoslib.run import ChaosRun
 
 from mpprefill.bench.procs import RUNTIME_ENV
@@ -72,12 +80,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--sliding-window", type=int, help="make the model's layers slide")
     ap.add_argument("--swa-layers", help="which layers slide (as `mpprefill serve`)")
+    ap.add_argument(
+        "--restart-legs",
+        default="off",
+        choices=("off", "on", "only"),
+        help="after the run (on) or instead of it (only): SIGKILL and restart a decode, then"
+        " the prefill, behind SGLang's router in PD mode while requests flow",
+    )
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("--log-dir", help="server and decode logs (default: a temp dir)")
     return ap.parse_args(argv)
 
 
 def report(s: dict) -> None:
+    if "mode" in s:
+        report_run(s)
+    if "restart_legs" in s:
+        report_legs(s["restart_legs"])
+    for name, ok in s["checks"].items():
+        print(f"  [{'ok' if ok else 'FAIL'}] {name}")
+    for line in s["problems"][:20]:
+        print(f"  problem: {line}")
+    print("chaos: " + ("PASS" if s["ok"] else "FAIL"))
+
+
+def report_run(s: dict) -> None:
     print(
         f"chaos: mode={s['mode']} seed={s['seed']} total={s['wall_s']:.1f}s "
         f"requests={s['requests']} hostile={s['hostile']['sent']}"
@@ -102,15 +129,44 @@ def report(s: dict) -> None:
     print(f"server counters at the drain: {s['server_counters']}")
     print(f"exits: {s['exits']}")
     print(f"leaks: {s['leaks']}")
-    for name, ok in s["checks"].items():
-        print(f"  [{'ok' if ok else 'FAIL'}] {name}")
-    for line in s["problems"][:20]:
-        print(f"  problem: {line}")
-    print("chaos: " + ("PASS" if s["ok"] else "FAIL"))
+
+
+def report_legs(r: dict) -> None:
+    if "skipped" in r:
+        print(f"restart legs: skipped ({r['skipped']})")
+        return
+    print("restart legs, router flags: " + " ".join(r["router_flags"]))
+    for name, leg in r["legs"].items():
+        figures = {k: leg[k] for k in ("requests", "ok", "errors", "wrong", "recovery_s")}
+        print(f"  {name} killed: " + _fmt(figures))
+        print(f"    timeline (s from the kill): {_fmt(leg['timeline_s'])}")
+        print(f"    error kinds: {leg['error_kinds'] or '-'}")
+        print(f"    slowest reply sent after the kill: {leg['slowest_after_kill_s']} s")
+        print(f"    held after the drain: {leg['held_after_drain']}")
+        print(f"    survivors' segments {leg['segments_survivors']}, fds {leg['fds_survivors']}")
 
 
 def _fmt(d: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(d.items())) or "-"
+
+
+def with_restart_legs(summary: dict, args: argparse.Namespace, log_dir: str) -> dict:
+    """`summary` with the restart legs' figures and checks (skipped without the router)."""
+    why = gateway.unavailable()
+    if why is not None:
+        return {**summary, "restart_legs": {"skipped": why}}
+    legs = restarts.run_legs(os.path.join(log_dir, "restarts"), args.seed)
+    checks = {**summary["checks"], **legs["checks"]}
+    problems = summary["problems"] + [
+        f"{name} leg: {u}" for name, leg in legs["legs"].items() for u in leg["unexplained"]
+    ]
+    return {
+        **summary,
+        "restart_legs": legs,
+        "checks": checks,
+        "problems": problems,
+        "ok": summary["ok"] and legs["ok"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,11 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop(RUNTIME_ENV, None)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="mpp-chaos-")
     os.makedirs(log_dir, exist_ok=True)
-    run = ChaosRun(args, log_dir)
-    try:
-        summary = run.run()
-    finally:
-        run.cleanup()
+    summary = {"checks": {}, "problems": [], "ok": True}
+    if args.restart_legs != "only":
+        run = ChaosRun(args, log_dir)
+        try:
+            summary = run.run()
+        finally:
+            run.cleanup()
+    if args.restart_legs != "off":
+        summary = with_restart_legs(summary, args, log_dir)
     report(summary)
     if args.json:
         with open(args.json, "w") as f:

@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--interval", type=float, default=10.0, help="seconds between readings")
     ap.add_argument("--max-growth", type=float, default=0.05, help="allowed growth (0.05: 5%%)")
     ap.add_argument("--clients", type=int, default=3, help="requests in flight at once")
-    ap.add_argument("--prompts", type=int, default=48, help="distinct prompts (their system")
+    ap.add_argument("--prompts", type=int, default=48, help="distinct prompts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the readings and the verdict here")
     ap.add_argument("--log-dir", help="server and router logs (default: a temp dir)")
@@ -161,7 +161,9 @@ class Load:
     def _open_stream(self, rec: Record):
         conn = http.client.HTTPConnection(deploy.HOST, self.dep.router_port, timeout=120)
         headers = {"Content-Type": "application/json"}
-        conn.request("POST", "/generate", body=json.dumps(self._body(rec)).encode(), headers=headers)
+        conn.request(
+            "POST", "/generate", body=json.dumps(self._body(rec)).encode(), headers=headers
+        )
         return conn, conn.getresponse()
 
     def _file(self, rec: Record, reply: dict, action: str) -> None:
@@ -225,35 +227,6 @@ def _mean(samples: list[dict], name: str, i: int) -> float:
     return statistics.fmean(vals) if vals else 0.0
 
 
-# ---- after the load ------------------------------------------------------------------------
-
-
-def drained_state(dep: deploy.Deployment, timeout: float = 60.0) -> dict:
-    """Each server's load once nothing is in flight (waits up to `timeout` for it)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = {s.role: deploy.server_state(s.http_port) or {} for s in dep.servers}
-        held = {role: leftover(st) for role, st in states.items()}
-        if not any(held.values()) or time.monotonic() > deadline:
-            return held
-        time.sleep(0.5)
-
-
-def leftover(state: dict) -> dict:
-    """What a server still holds: requests, KV tokens, rooms, failed invariants."""
-    load = state.get("load", {})
-    out = {k: load[k] for k in ("num_reqs", "num_tokens") if load.get(k)}
-    for k in ("rooms", "pending", "draining", "requests"):
-        if state.get(k):
-            out[k] = state[k]
-    if "free_pages" in state and state["free_pages"] != state["num_pages"]:
-        out["pages_held"] = state["num_pages"] - state["free_pages"]
-    inv = state.get("invariants", {})
-    if inv.get("checked") and not inv.get("ok"):
-        out["invariants"] = inv.get("error")
-    return out if state else {"unreachable": True}
-
-
 # ---- report --------------------------------------------------------------------------------
 
 
@@ -308,7 +281,7 @@ def run(args: argparse.Namespace, log_dir: str) -> dict:
         load.stop.set()
         for t in threads:
             t.join(150)
-        held = drained_state(dep)
+        held = deploy.drain(dep.servers)
         segments_end = {s.role: len(s.segments()) for s in dep.servers}
         exits = dep.stop()
     finally:
@@ -335,7 +308,8 @@ def verdict(args, load: Load, samples, held, segments, segments_end, exits) -> d
         "minutes": args.minutes,
         "warmup_minutes": args.warmup_minutes,
         "requests": dict(load.counts),
-        "tokens": {k: v for k, v in tokens.items() if k != "wrong"} | {"wrong": tokens["wrong"][:20]},
+        "tokens": {k: v for k, v in tokens.items() if k != "wrong"}
+        | {"wrong": tokens["wrong"][:20]},
         "errors": errors[:20] + malformed[:20],
         "held_after_drain": held,
         "segments": {"start": segments, "end": segments_end},
@@ -358,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     print_growth(s["growth"], args.max_growth)
     print(f"requests: {' '.join(f'{k}={v}' for k, v in sorted(s['requests'].items()))}")
     t = s["tokens"]
-    print(f"tokens: {t['checked']} replies checked, {len(t['wrong'])} wrong, near ties {t['near_ties']}")
+    wrong = len(t["wrong"])
+    print(f"tokens: {t['checked']} replies checked, {wrong} wrong, near ties {t['near_ties']}")
     print(f"held after the drain: {s['held_after_drain']}; segments {s['segments']}")
     for name, ok in s["checks"].items():
         print(f"  [{'ok' if ok else 'FAIL'}] {name}")

@@ -9,5 +9,8 @@ gateway    the router leg: SGLang's router in front of serve's HTTP front and a
 procs      what the bench's process helpers lack: a decode restart on its port, a decode
            server with its HTTP front, stats, leftovers
 run        the phases: start, load, drain, worker kill, stop
+deploy     a prefill, decodes and SGLang's router over them, each server restartable on
+           its ports (the restart legs and scripts/soak.py)
+restarts   the restart legs: a decode, then the prefill, SIGKILLed and restarted under load
 check      the verdict
 """

@@ -6,6 +6,7 @@ process of the deployment for /proc readings (RSS, open descriptors)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -18,16 +19,16 @@ import ipc
 from mpprefill.bench.procs import children, forward_pids, free_port, terminate
 
 HOST = "127.0.0.1"
-# NOTE: the recovery settings (README, "Deploy behind SGLang's router"; scripts/launch.sh):
-# a failed request is not retried (a retry of a request whose decode died waits the
-# prefill's --bootstrap-timeout again, each time); no circuit breaker (it benches a
-# restarted, healthy worker); a health check every second takes a dead worker out of the
-# rotation after one failure and puts it back after one success.
+# NOTE: the recovery settings (README, "Deploy behind SGLang's router"; scripts/launch.sh).
+# No retries: a retry of a request whose decode died waits out the prefill's
+# --bootstrap-timeout first (its prefill half still waits for that decode), so it would
+# answer after 30 s at best; without, it fails at once. No circuit breaker: it benched a
+# restarted, healthy worker. A health check every second takes a dead worker (refused at
+# once) out of the rotation after two failures and puts it back after one success; the
+# check's timeout stays 5 s, as a busy server's /health can take over a second.
 ROUTER_FLAGS = (
-    "--disable-retries",
-    "--disable-circuit-breaker",
-    *("--health-check-interval-secs", "1", "--health-check-timeout-secs", "1"),
-    *("--health-failure-threshold", "1", "--health-success-threshold", "1"),
+    *("--disable-retries", "--disable-circuit-breaker", "--health-check-interval-secs", "1"),
+    *("--health-failure-threshold", "2", "--health-success-threshold", "1"),
 )
 
 
@@ -47,7 +48,9 @@ class Server:
     def start(self) -> None:
         if self.proc is not None:
             self.past.append(self.proc.pid)
-        self.log_path = os.path.join(self.log_dir, f"{self.role}-{self.http_port}-{len(self.past)}.log")
+        self.log_path = os.path.join(
+            self.log_dir, f"{self.role}-{self.http_port}-{len(self.past)}.log"
+        )
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
 
@@ -123,6 +126,7 @@ class Deployment:
         serve_flags: tuple[str, ...] = (),
     ):
         self.log_dir = log_dir
+        os.makedirs(log_dir, exist_ok=True)
         self.bootstrap_port = free_port()
         self.router_port = free_port()
         self.router_flags = router_flags
@@ -219,6 +223,32 @@ class Deployment:
             s.sweep(current=True)
 
 
+def drain(servers: list[Server], timeout: float = 60.0) -> dict[str, dict]:
+    """{role: what it still holds} once no server holds anything, or after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {s.role: server_state(s.http_port) or {} for s in servers}
+        held = {role: leftover(st) for role, st in states.items()}
+        if not any(held.values()) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.5)
+
+
+def leftover(state: dict) -> dict:
+    """What a server still holds: requests, KV tokens, rooms, failed invariants."""
+    load = state.get("load", {})
+    out = {k: load[k] for k in ("num_reqs", "num_tokens") if load.get(k)}
+    for k in ("rooms", "pending", "draining", "requests"):
+        if state.get(k):
+            out[k] = state[k]
+    if "free_pages" in state and state["free_pages"] != state["num_pages"]:
+        out["pages_held"] = state["num_pages"] - state["free_pages"]
+    inv = state.get("invariants", {})
+    if inv.get("checked") and not inv.get("ok"):
+        out["invariants"] = inv.get("error")
+    return out if state else {"unreachable": True}
+
+
 def healthy(port: int) -> bool:
     try:
         return get(port, "/health", timeout=2.0)[0] == 200
@@ -275,7 +305,5 @@ def _cmdline(pid: int) -> bytes:
 
 
 def _kill_quietly(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
