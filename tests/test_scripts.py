@@ -175,7 +175,9 @@ def test_launch_sh_ports_derive_from_port_and_shared_flags_reach_the_decodes(tre
             "python -m sglang_router.launch_router --pd-disaggregation"
             " --prefill http://127.0.0.1:40001 18999 --decode http://127.0.0.1:40002"
             " --decode http://127.0.0.1:40003 --host 127.0.0.1 --port 40000"
-            " --prometheus-port 39000 --policy round_robin --log-level warn",
+            " --prometheus-port 39000 --policy round_robin --log-level warn"
+            " --disable-retries --disable-circuit-breaker --health-check-interval-secs 1"
+            " --health-failure-threshold 2 --health-success-threshold 1",
         ]
     )
     curl, openai = done.stdout.splitlines()
