@@ -49,6 +49,7 @@ def test_growth_compares_the_readings_after_the_warmup_with_the_last_ones():
     # fds: 10, 10, 10 then 11, 11, 10 ... the last three are 10, 11, 11
     assert g["p"]["fds"] == [10, 11, round((32 / 3 - 10) / 10, 4)]
     assert g["p"]["ok"] is False  # fds grew 6.7%
+    assert growth(samples, warmup_s=20.0, limit=0.05, fd_slack=1)["p"]["ok"] is True  # +0.67
     assert growth(samples, warmup_s=0.0, limit=0.1)["p"]["ok"] is False  # rss 100 -> 210
     assert growth(samples[:5], warmup_s=20.0, limit=0.05) == {}  # too few readings to judge
 
