@@ -137,7 +137,9 @@ def report_legs(r: dict) -> None:
         return
     print("restart legs, router flags: " + " ".join(r["router_flags"]))
     for name, leg in r["legs"].items():
-        figures = {k: leg[k] for k in ("requests", "ok", "errors", "wrong", "recovery_s")}
+        figures = {
+            k: leg[k] for k in ("requests", "ok", "errors", "wrong", "timed_out", "recovery_s")
+        }
         print(f"  {name} killed: " + _fmt(figures))
         print(f"    timeline (s from the kill): {_fmt(leg['timeline_s'])}")
         print(f"    error kinds: {leg['error_kinds'] or '-'}")

@@ -163,7 +163,7 @@ class Leg:
         recovered = recovery(recs, t["kill"])
         segments_after = {s.role: len(s.segments()) for s in self.survivors}
         slow = [r for r in recs if r.t_reply >= t["kill"]]
-        rel = lambda x: round(x - t["kill"], 2)  # noqa: E731
+        rel = lambda x: round(x - t["kill"], 2)
         checks = {
             "0 wrong tokens": not tokens["wrong"] and not router["wrong"],
             "every error sent while the server was down or not yet noticed": not unexplained,
