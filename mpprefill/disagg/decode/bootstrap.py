@@ -4,8 +4,10 @@ A request names its prefill by `bootstrap_host:bootstrap_port`; `register` sends
 prefill's endpoint (disagg/bootstrap.py) the room and this decode's receiver address, over
 one DEALER per prefill, made on demand. `withdraw` gives a room up when its request ended
 before the KV came. Replies (`room_reply`) come back from `read`: a refusal ends the room.
-A link with no room waiting is closed after IDLE_S, and at most MAX_LINKS are open: a
-request naming one more prefill than that is refused.
+A link whose prefill hangs up (its process died: a restarted one knows none of the rooms)
+refuses every room still waiting there. A link with no room waiting is closed after
+IDLE_S, and at most MAX_LINKS are open: a request naming one more prefill than that is
+refused.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from mpprefill.disagg import wire
 
@@ -21,6 +24,7 @@ logger = logging.getLogger(__name__)
 MAX_LINKS = 256
 IDLE_S = 60.0
 _MAX_REPLY_BYTES = 4096
+HUNG_UP = "the prefill endpoint hung up (its process ended) before the KV came"
 
 
 class PrefillLinks:
@@ -32,6 +36,7 @@ class PrefillLinks:
         self.own_address = own_address
         self._socks: dict[str, zmq.Socket] = {}  # by prefill endpoint address
         self._rooms: dict[str, set[int]] = {}  # endpoint -> rooms registered there
+        self._monitors: dict[str, zmq.Socket] = {}  # endpoint -> its link's disconnect events
         self._idle_since: dict[str, float] = {}
 
     def register(self, endpoint: str, room: int) -> str | None:
@@ -65,6 +70,10 @@ class PrefillLinks:
         rooms is logged and dropped."""
         out = []
         for endpoint, sock in list(self._socks.items()):
+            if self._monitors[endpoint] in events and self._hung_up(endpoint):
+                out += [
+                    (endpoint, wire.RoomReply(r, False, HUNG_UP)) for r in self._rooms[endpoint]
+                ]
             if sock not in events:
                 continue
             while True:
@@ -76,6 +85,16 @@ class PrefillLinks:
                 if reply is not None:
                     out.append((endpoint, reply))
         return out
+
+    def _hung_up(self, endpoint: str) -> bool:
+        """Whether the link's monitor saw the prefill close the connection."""
+        hung_up = False
+        while True:
+            try:
+                event = recv_monitor_message(self._monitors[endpoint], zmq.NOBLOCK)
+            except zmq.Again:
+                return hung_up
+            hung_up = hung_up or event["event"] == zmq.EVENT_DISCONNECTED
 
     def _parse(self, endpoint: str, frame: bytes) -> wire.RoomReply | None:
         try:
@@ -102,15 +121,22 @@ class PrefillLinks:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY_BYTES)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(f"tcp://{endpoint}")
         self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(monitor, zmq.POLLIN)
+        self._monitors[endpoint] = monitor
         self._socks[endpoint] = sock
         self._rooms[endpoint] = set()
         return sock
 
     def _close(self, endpoint: str) -> None:
         sock = self._socks.pop(endpoint)
+        monitor = self._monitors.pop(endpoint)
         self.poller.unregister(sock)
+        self.poller.unregister(monitor)
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close(linger=0)
         del self._rooms[endpoint]
         self._idle_since.pop(endpoint, None)
