@@ -270,9 +270,9 @@ if [ "$ROUTER" = yes ]; then
     start router "$PORT" "$PY" -m sglang_router.launch_router --pd-disaggregation \
         --prefill "http://$CLIENT_HOST:$PREFILL_PORT" "$BOOT" "${DECODES[@]}" \
         --host "$HOST" --port "$PORT" --prometheus-port $((PORT - 1000)) \
-        --policy round_robin --log-level "$ROUTER_LOG" "${ROUTER_KEY[@]}" \
+        --policy round_robin --log-level "$ROUTER_LOG" \
         --disable-retries --disable-circuit-breaker --health-check-interval-secs 1 \
-        --health-failure-threshold 2 --health-success-threshold 1
+        --health-failure-threshold 2 --health-success-threshold 1 "${ROUTER_KEY[@]}"
     one='{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}'
     wait_ready "router" "http://$CLIENT_HOST:$PORT/generate" "$one"
     URL="http://$CLIENT_HOST:$PORT"
