@@ -276,12 +276,14 @@ if [ "$ROUTER" = yes ]; then
     one='{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}'
     wait_ready "router" "http://$CLIENT_HOST:$PORT/generate" "$one"
     URL="http://$CLIENT_HOST:$PORT"
-    say "ready: router $URL, prefill :$PREFILL_PORT, $NUM_DECODES decode(s) from :$((PREFILL_PORT + 1))"
-    echo "curl -s $URL/generate $JSON -d '{$PROMPT, $PARAMS}'"
+    # NOTE: the client check first, so that nothing comes between the two lines
     "$PY" -c "import openai" 2>/dev/null || say "the openai line needs the client: $PY -m pip install openai"
-    echo "$PY -c 'from openai import OpenAI; c = OpenAI(base_url=\"$URL/v1\", api_key=$OPENAI_KEY);" \
-        "print(c.completions.create(model=\"default\", prompt=$OPENAI_PROMPT, max_tokens=16," \
-        "temperature=0).choices[0].text)'"
+    say "ready: router $URL, prefill :$PREFILL_PORT, $NUM_DECODES decode(s) from :$((PREFILL_PORT + 1))"
+    CURL_LINE="curl -s $URL/generate $JSON -d '{$PROMPT, $PARAMS}'"
+    OPENAI_LINE="$PY -c 'from openai import OpenAI; c = OpenAI(base_url=\"$URL/v1\", api_key=$OPENAI_KEY);"
+    OPENAI_LINE+=" print(c.completions.create(model=\"default\", prompt=$OPENAI_PROMPT, max_tokens=16,"
+    OPENAI_LINE+=" temperature=0).choices[0].text)'"
+    printf '%s\n%s\n' "$CURL_LINE" "$OPENAI_LINE"  # one write: both lines or none
 elif [ "$BACKEND" = fake ]; then
     URL="http://$CLIENT_HOST:$PREFILL_PORT"
     say "ready: the prefill alone on $URL (fake transfer: each reply is the first token)"
