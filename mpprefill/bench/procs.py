@@ -211,6 +211,20 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def cmdline(pid: int) -> bytes:
+    """`pid`'s command line, its arguments NUL-separated (empty once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def front_pids(server_pid: int) -> list[int]:
+    """The HTTP front children (`python -m mpprefill.http`) of a serve or decode process."""
+    return [p for p in children(server_pid) if b"mpprefill.http" in cmdline(p)]
+
+
 def forward_pids(serve_pid: int) -> list[int]:
     """The forward processes (one per tensor-parallel rank): the serve process's spawned
     children, not its resource tracker."""

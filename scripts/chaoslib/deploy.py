@@ -16,7 +16,7 @@ import sys
 import time
 
 import ipc
-from mpprefill.bench.procs import children, forward_pids, free_port, terminate
+from mpprefill.bench.procs import forward_pids, free_port, front_pids, terminate
 
 HOST = "127.0.0.1"
 # NOTE: the recovery settings (README, "Deploy behind SGLang's router"; scripts/launch.sh).
@@ -84,9 +84,8 @@ class Server:
         out = {self.role: pid}
         for i, fwd in enumerate(forward_pids(pid)):
             out[f"{self.role}-forward{i or ''}"] = fwd
-        for child in children(pid):
-            if b"mpprefill.http" in _cmdline(child):
-                out[f"{self.role}-front"] = child
+        for child in front_pids(pid):
+            out[f"{self.role}-front"] = child
         return out
 
     def segments(self) -> list[str]:
@@ -294,14 +293,6 @@ def proc_usage(pid: int) -> tuple[int, int] | None:
         return rss, len(os.listdir(f"/proc/{pid}/fd"))
     except (OSError, StopIteration):
         return None
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def _kill_quietly(pid: int) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpprefill.bench.procs import free_base_port
+from mpprefill.bench.procs import cmdline, free_base_port
 
 pytest.importorskip("fastapi", reason="the HTTP fronts need the http extra")
 pytestmark = pytest.mark.timeout(300)
@@ -209,7 +209,4 @@ def assert_all_gone(pids: list[int], launch: Launch) -> None:
 
 
 def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+    return cmdline(pid).replace(b"\0", b" ").decode()

@@ -19,7 +19,7 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from mpprefill.bench.procs import children, free_port, terminate  # noqa: E402
+from mpprefill.bench.procs import free_port, front_pids, terminate  # noqa: E402
 from mpprefill.http.args import HttpArgs  # noqa: E402
 from mpprefill.server.client import Client  # noqa: E402
 from tests.http.helpers import Front  # noqa: E402
@@ -40,16 +40,8 @@ class ServeWithFront(Front):
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
     def front_pid(self) -> int:
-        (pid,) = [p for p in children(self.proc.pid) if b"mpprefill.http" in _cmdline(p)]
+        (pid,) = front_pids(self.proc.pid)
         return pid
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def _gone(pid: int, timeout: float = 30.0) -> bool:

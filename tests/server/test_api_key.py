@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mpprefill.bench.procs import free_port, terminate
+from mpprefill.bench.procs import free_port, front_pids, terminate
 from mpprefill.cli import build_parser
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.decode.args import DecodeArgs
@@ -166,20 +166,6 @@ def serve():
     terminate(s.proc)
 
 
-def _front_pid(server_pid: int) -> int:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and b"mpprefill.http" in cmdline:
-            return int(entry.name)
-    raise LookupError(f"no HTTP front under {server_pid}")
-
-
 def test_a_served_front_opens_health_alone(serve):
     assert request(serve.port, "GET", "/health") == (200, b"")
     for method, path, body in GUARDED:
@@ -202,7 +188,7 @@ def test_server_info_does_not_give_the_key_back(serve):
 
 
 def test_the_key_reaches_the_front_in_its_environment_not_its_command_line(serve):
-    pid = _front_pid(serve.proc.pid)
+    (pid,) = front_pids(serve.proc.pid)
     assert KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     assert f"{API_KEY_ENV}={KEY}".encode() in environ
