@@ -28,7 +28,7 @@ from mpprefill.http.errors import bad_request, from_reply, is_abort
 from mpprefill.http.link import Bootstrap
 from mpprefill.http.outputs import Output
 from mpprefill.http.tokenizer import TextTokenizer
-from mpprefill.sampling.params import SamplingParams
+from mpprefill.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from mpprefill.server.protocol import ABORTED, MAX_RID_CHARS, bootstrap_error
 
 # SGLang's defaults where the protocol's differ (it samples at temperature 1 unless told).
@@ -53,7 +53,6 @@ _NEUTRAL_KEYS = {
     "spaces_between_special_tokens": True,
     "stream_interval": None,
 }
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mpprefill.http.errors import HttpError, bad_request
+from mpprefill.http.errors import bad_request
+from mpprefill.sampling.params import MAX_TOP_LOGPROBS  # OpenAI's bound for chat too
 
 MAX_N = 64  # choices per prompt
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; completions' is 5
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Fields a server here does not implement: (name, the value that asks for nothing). A body
@@ -268,7 +268,3 @@ def fan_out(value: Any, name: str, count: int) -> list[Any]:
     if value is not None and count > 1 and name == "bootstrap_room":
         raise bad_request(f"{count} requests need {count} bootstrap rooms, a list")
     return [value] * count
-
-
-def to_http_error(e: Exception) -> HttpError:
-    return e if isinstance(e, HttpError) else bad_request(str(e))
