@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from calibrate_emulation import make_batch  # noqa: E402
 
+from mpprefill.emulation.device import EmulatedDevice, host_config, host_model  # noqa: E402
+from mpprefill.emulation.roofline import resolve_shape  # noqa: E402
 from mpprefill.memory.kv_cache import KVCache  # noqa: E402
 from mpprefill.model import ModelConfig  # noqa: E402
-from mpprefill.worker.emulated import EmulatedDevice, host_config, host_model  # noqa: E402
-from mpprefill.worker.roofline import resolve_shape  # noqa: E402
 
 
 def _timed(spend, total: list[float]):

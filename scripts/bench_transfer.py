@@ -59,7 +59,7 @@ class Decode:
     def __init__(self, backend: str, model: str, tokens: int, page: int):
         port = free_port()
         self.address = f"127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "mpprefill.disagg.decode", "--receiver-port", str(port)]
+        cmd = [sys.executable, "-m", "mpprefill.decode", "--receiver-port", str(port)]
         cmd += ["--zmq-port", "0"]
         cmd += ["--model-path", model, "--max-total-tokens", str(tokens), "--page-size", str(page)]
         cmd += ["--disaggregation-transfer-backend", backend, "--log-level", "warning"]

@@ -33,16 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from mpprefill.memory.kv_cache import KVCache  # noqa: E402
-from mpprefill.model import ForwardBatch, ModelConfig, build_model  # noqa: E402
-from mpprefill.worker.emulated import EmulatedDevice, host_config, host_model  # noqa: E402
-from mpprefill.worker.roofline import (  # noqa: E402
+from mpprefill.emulation.device import EmulatedDevice, host_config, host_model  # noqa: E402
+from mpprefill.emulation.roofline import (  # noqa: E402
     GPUS,
     ModelShape,
     head_parts_s,
     layer_parts_s,
     resolve_shape,
 )
+from mpprefill.memory.kv_cache import KVCache  # noqa: E402
+from mpprefill.model import ForwardBatch, ModelConfig, build_model  # noqa: E402
 
 NEW_PER_REQUEST = 205  # ~1,024-token prompts at hit rate 0.8
 CACHED_PER_REQUEST = 820

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from mpprefill.config import ServerArgs
-from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.decode.args import DecodeArgs
 from mpprefill.flags import _f, add_flags, from_namespace
 
 

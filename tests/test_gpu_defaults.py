@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mpprefill.config import DEFAULT_MAX_TOTAL_TOKENS, ServerArgs, kv_pool_tokens, resolve_device
-from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.decode.args import DecodeArgs
 from mpprefill.worker.build import kv_bytes_per_token, size_kv_pool, worker_model_config
 
 GiB = 2**30

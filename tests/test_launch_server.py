@@ -7,7 +7,7 @@ import pytest
 
 from mpprefill.cli import build_parser
 from mpprefill.config import ServerArgs
-from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.decode.args import DecodeArgs
 from mpprefill.flags import from_namespace
 from mpprefill.launch_server import translate
 

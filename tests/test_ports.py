@@ -11,7 +11,7 @@ from mpprefill import ports
 from mpprefill.bench.procs import free_base_port, free_port
 from mpprefill.cli import build_parser
 from mpprefill.config import ServerArgs
-from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.decode.args import DecodeArgs
 from mpprefill.flags import from_namespace
 from mpprefill.ports import Listen
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from mpprefill import protocol
 from mpprefill.bench.workload import RequestSpec
-from mpprefill.server import protocol
 
 
 def dealer(ctx: zmq.Context, port: int) -> zmq.Socket:

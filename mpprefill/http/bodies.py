@@ -28,8 +28,8 @@ from mpprefill.http.errors import bad_request, from_reply, is_abort
 from mpprefill.http.link import Bootstrap
 from mpprefill.http.outputs import Output
 from mpprefill.http.tokenizer import TextTokenizer
+from mpprefill.protocol import ABORTED, MAX_RID_CHARS, bootstrap_error
 from mpprefill.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
-from mpprefill.server.protocol import ABORTED, MAX_RID_CHARS, bootstrap_error
 
 # SGLang's defaults where the protocol's differ (it samples at temperature 1 unless told).
 SGLANG_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}

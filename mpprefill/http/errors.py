@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpprefill.server.protocol import ABORTED, Code
+from mpprefill.protocol import ABORTED, Code
 
 _STATUSES = frozenset((400, 413, 429, 500, 503))
 

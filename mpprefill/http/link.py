@@ -20,8 +20,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mpprefill.server import protocol
-from mpprefill.server.protocol import UNKNOWN_RID, Code
+from mpprefill import protocol
+from mpprefill.protocol import UNKNOWN_RID, Code
 
 logger = logging.getLogger(__name__)
 

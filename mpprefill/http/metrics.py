@@ -202,7 +202,7 @@ def _is_decode(stats: dict[str, Any]) -> bool:
 
 
 def _decode_gauges(s: dict[str, Any]) -> list[tuple[str, str, float]]:
-    """A decode server's figures, from its stats (disagg/decode/server.py)."""
+    """A decode server's figures, from its stats (decode/server.py)."""
     total = s["max_total_num_tokens"]
     used = s["load"]["num_tokens"]
     return [

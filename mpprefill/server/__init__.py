@@ -1,2 +1,2 @@
-"""The front: the ZeroMQ request server around the scheduler, its wire protocol and a
-client for it."""
+"""The prefill server: the ZeroMQ request server around the scheduler, its profiling and a
+client for its request protocol (mpprefill.protocol)."""

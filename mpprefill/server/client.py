@@ -9,7 +9,7 @@ from typing import Any
 
 import zmq
 
-from mpprefill.server import protocol
+from mpprefill import protocol
 
 
 class Client:

@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from mpprefill.server.protocol import StartProfile
+from mpprefill.protocol import StartProfile
 from mpprefill.trace import chrome
 from mpprefill.trace.profiler import TorchProfile, TraceWindow, wants_torch
 from mpprefill.worker.profiling import ProfileControl

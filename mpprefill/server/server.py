@@ -18,17 +18,16 @@ import time
 
 import zmq
 
-from mpprefill import ports
+from mpprefill import ports, protocol, signals
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.sender import TransferDied
 from mpprefill.http.child import HttpFrontProcess
+from mpprefill.protocol import ABORTED, UNKNOWN_RID, Code
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.scheduling.stats import scheduler_stats
-from mpprefill.server import protocol, signals
 from mpprefill.server.profiling import RuntimeProfiler
-from mpprefill.server.protocol import ABORTED, UNKNOWN_RID, Code
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker.api import WorkerDied

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mpprefill.config import ServerArgs, kv_pool_tokens
+from mpprefill.emulation.device import EmulatedDevice, EmulatedHostLink, host_config, host_model
+from mpprefill.emulation.roofline import EMULATED_DTYPE, ModelShape, resolve_shape
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import CausalLM, ModelConfig
 from mpprefill.model.config import resolve_dtypes
@@ -18,8 +20,6 @@ from mpprefill.model.families import build_model
 from mpprefill.model.loader import config_from_args, model_from_args
 from mpprefill.model.parallel import TPRank, shard_config
 from mpprefill.worker.device import device_memory
-from mpprefill.worker.emulated import EmulatedDevice, EmulatedHostLink, host_config, host_model
-from mpprefill.worker.roofline import EMULATED_DTYPE, ModelShape, resolve_shape
 from mpprefill.worker.runner import ForwardRunner
 
 logger = logging.getLogger(__name__)

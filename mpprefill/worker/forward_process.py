@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import ipc
 from mpprefill.config import ServerArgs
+from mpprefill.emulation.device import EmulatedStream
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig
 from mpprefill.model.parallel import TPRank, init_tp_group, shard_config, tp_backend
@@ -49,7 +50,6 @@ from mpprefill.worker.build import (
     worker_model_config,
 )
 from mpprefill.worker.device import DevicePlan, HostStream
-from mpprefill.worker.emulated import EmulatedStream
 from mpprefill.worker.events import WorkerOrder, forward_gen, make_events, sample_gen
 from mpprefill.worker.hooks import DeviceHooks, LateReads
 from mpprefill.worker.mailboxes import Inbox, Outbox

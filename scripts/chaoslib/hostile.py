@@ -1,6 +1,6 @@
 """Malformed and hostile frames for the chaos run, each with the answer the server owes it.
 
-They are written by hand rather than with `mpprefill.server.protocol`'s builders: most of them are
+They are written by hand rather than with `mpprefill.protocol`'s builders: most of them are
 frames no builder would make. Hostile clients send them too: rids of a megabyte (the reply
 carries the first MAX_RID_CHARS), frames of several MiB, and aborts of requests that another
 client owns (refused as "unknown rid"; the request runs on, which the error check sees).
@@ -14,7 +14,7 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 from chaoslib.workload import Record
-from mpprefill.server import protocol
+from mpprefill import protocol
 
 HUGE_RID_CHARS = 1 << 20
 ONCE = ("deep-nesting", "oversize", "oversize-mib", "beyond-wire-limit")  # big: sent once

@@ -27,7 +27,7 @@ PROMPT_LENS = (33, 16, 47, 5)
 
 
 class DecodeProc:
-    """`python -m mpprefill.disagg.decode` in a subprocess, ready once it answers a ping.
+    """`python -m mpprefill.decode` in a subprocess, ready once it answers a ping.
     `port`: its receiver socket; `zmq_port` its request socket; `http_port` (optional) its
     HTTP front."""
 
@@ -43,7 +43,7 @@ class DecodeProc:
         self.zmq_port = free_port()
         self.http_port = http_port
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        cmd = [sys.executable, "-m", "mpprefill.disagg.decode", "--receiver-port", str(self.port)]
+        cmd = [sys.executable, "-m", "mpprefill.decode", "--receiver-port", str(self.port)]
         cmd += ["--zmq-port", str(self.zmq_port), "--port", str(http_port)]
         cmd += ["--page-size", str(PAGE), "--max-total-tokens", str(max_total_tokens)]
         cmd += ["--disaggregation-transfer-backend", backend, "--log-level", "warning", *flags]

@@ -9,13 +9,13 @@ import time
 import pytest
 import zmq
 
+from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.disagg.bootstrap import BootstrapEndpoint
-from mpprefill.disagg.decode.args import DecodeArgs
-from mpprefill.disagg.decode.receiver import DecodeReceiver
 from mpprefill.disagg.sender import KVPoll
-from mpprefill.server.protocol import Code
+from mpprefill.protocol import Code
 from tests.disagg.helpers import PAGE, FakeReq, Router, bootstrap, send_chunks, serving, wait_state
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,9 +7,9 @@ import time
 import pytest
 
 import ipc
-from mpprefill.disagg.decode.args import DecodeArgs
-from mpprefill.disagg.decode.delay import TransferDelay
-from mpprefill.disagg.decode.receiver import DecodeReceiver
+from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.delay import TransferDelay
+from mpprefill.decode.receiver import DecodeReceiver
 from tests.disagg.helpers import PAGE, Router, serving, step
 
 pytestmark = pytest.mark.timeout(30)

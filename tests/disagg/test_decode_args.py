@@ -9,12 +9,12 @@ import torch
 from mpprefill.bench.runner import BenchConfig
 from mpprefill.cli import build_parser
 from mpprefill.config import ServerArgs
-from mpprefill.disagg.decode.args import DecodeArgs
-from mpprefill.disagg.decode.receiver import pool_dtypes, pool_model_config
+from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.receiver import pool_dtypes, pool_model_config
+from mpprefill.emulation.device import host_config
 from mpprefill.model import ModelConfig
 from mpprefill.model.config import Dtypes
 from mpprefill.worker.build import kv_dtype, worker_model_config
-from mpprefill.worker.emulated import host_config
 
 
 def test_pool_model_follows_the_emulated_prefill():
@@ -61,7 +61,7 @@ def test_the_bench_passes_the_dtypes_to_its_prefill_and_decode_servers():
 
 
 def test_eos_ids_come_from_both_config_files(tmp_path):
-    from mpprefill.disagg.decode.server import eos_token_ids
+    from mpprefill.decode.server import eos_token_ids
 
     assert eos_token_ids(None) == ()  # the built-in model has none
     assert eos_token_ids(str(tmp_path)) == ()
@@ -111,9 +111,9 @@ def test_rooms_are_registered_with_the_advertised_host():
     """The decode server's register_room names --advertise-host and its receiver's port."""
     import zmq
 
+    from mpprefill import protocol
+    from mpprefill.decode.server import DecodeServer
     from mpprefill.disagg import wire
-    from mpprefill.disagg.decode.server import DecodeServer
-    from mpprefill.server import protocol
     from mpprefill.server.client import Client
 
     args = DecodeArgs(

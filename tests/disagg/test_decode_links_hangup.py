@@ -8,8 +8,8 @@ import time
 import pytest
 import zmq
 
+from mpprefill.decode.bootstrap import HUNG_UP, PrefillLinks
 from mpprefill.disagg import wire
-from mpprefill.disagg.decode.bootstrap import HUNG_UP, PrefillLinks
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,9 +8,9 @@ import time
 import pytest
 import zmq
 
+from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg import wire
-from mpprefill.disagg.decode.args import DecodeArgs
-from mpprefill.disagg.decode.receiver import DecodeReceiver
 from tests.disagg.helpers import PAGE, Router, serving
 
 pytestmark = pytest.mark.timeout(30)

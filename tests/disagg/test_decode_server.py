@@ -12,12 +12,12 @@ import pytest
 import torch
 import zmq
 
+from mpprefill import protocol
 from mpprefill.bench.procs import children, free_port
 from mpprefill.disagg import wire
 from mpprefill.http.errors import status_of
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, load_model
-from mpprefill.server import protocol
 from mpprefill.server.client import Client
 from tests.disagg.helpers import PAGE, DecodeProc
 from tests.reliability.helpers import Serve, pid_gone

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from mpprefill import protocol
 from mpprefill.bench.procs import free_port
 from mpprefill.config import ServerArgs
 from mpprefill.disagg import wire
@@ -15,7 +16,6 @@ from mpprefill.memory.allocator import cdiv
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.scheduling.scheduler import Scheduler
-from mpprefill.server import protocol
 from mpprefill.server.client import Client
 from mpprefill.worker.factory import make_worker
 from tests.disagg.helpers import PAGE, DecodeProc, Router

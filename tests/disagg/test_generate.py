@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from mpprefill.disagg.decode.generate import Generator, Output
+from mpprefill.decode.generate import Generator, Output
 from mpprefill.disagg.planes import window_first_page
 from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache

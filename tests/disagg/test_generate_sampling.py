@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpprefill.disagg.decode.generate import Generator
+from mpprefill.decode.generate import Generator
 from mpprefill.memory.allocator import cdiv
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling.info import SamplingBatchInfo

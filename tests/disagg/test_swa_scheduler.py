@@ -13,9 +13,9 @@ import pytest
 
 import ipc
 from mpprefill.config import ServerArgs
+from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.decode.args import DecodeArgs
-from mpprefill.disagg.decode.receiver import DecodeReceiver
 from mpprefill.disagg.planes import window_first_page
 from mpprefill.memory.allocator import cdiv
 from mpprefill.scheduling.loops import LOOPS

@@ -12,11 +12,12 @@ import random
 
 import pytest
 
+from mpprefill import protocol
 from mpprefill.config import ServerArgs
+from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.decode.args import DecodeArgs
-from mpprefill.disagg.decode.receiver import DecodeReceiver
 from mpprefill.disagg.shards import ShippedKV
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig, load_model
@@ -24,7 +25,6 @@ from mpprefill.model.export import save_random_model
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.scheduling.scheduler import Scheduler
-from mpprefill.server import protocol
 from mpprefill.server.client import Client
 from mpprefill.worker.factory import make_worker
 from tests.disagg.helpers import PAGE, DecodeProc, Router, serving

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from mpprefill.config import ServerArgs
+from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.decode.args import DecodeArgs
-from mpprefill.disagg.decode.receiver import DecodeReceiver
 from mpprefill.disagg.sender import TransferDied
 from mpprefill.disagg.shm_backend import ShmTransfer
 from mpprefill.scheduling.invariants import check_drained

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
+from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.cli import add_decode_args
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_decode_pool, make_transfer
-from mpprefill.disagg.decode.args import DecodeArgs
-from mpprefill.disagg.decode.cli import add_decode_args
 from mpprefill.disagg.sender import FakeTransfer
 from mpprefill.flags import from_namespace
 

@@ -6,7 +6,7 @@ import sys
 
 def test_the_front_and_the_request_protocol_load_without_torch():
     code = (
-        "import sys, mpprefill.http.__main__, mpprefill.http.app, mpprefill.server.protocol; "
+        "import sys, mpprefill.http.__main__, mpprefill.http.app, mpprefill.protocol; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -11,9 +11,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from mpprefill import protocol
 from mpprefill.bench.procs import free_port
 from mpprefill.http.link import FrameTooLarge, NoReply, RidInFlight, SchedulerLink
-from mpprefill.server import protocol
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,8 +14,8 @@ import zmq
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from mpprefill import protocol  # noqa: E402
 from mpprefill.bench.procs import free_port  # noqa: E402
-from mpprefill.server import protocol  # noqa: E402
 from tests.http.helpers import Front, sse_events  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

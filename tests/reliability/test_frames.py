@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from mpprefill.server import protocol
+from mpprefill import protocol
 
 
 def test_generate_frame_parses_back():

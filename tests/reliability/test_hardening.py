@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mpprefill.server import protocol
+from mpprefill import protocol
 from tests.reliability.helpers import Serve, dealer, recv_json, runtime_dir_of
 
 pytestmark = pytest.mark.timeout(120)

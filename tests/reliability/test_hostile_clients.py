@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from mpprefill import protocol
 from mpprefill.bench.procs import free_port
-from mpprefill.server import protocol
 from tests.reliability.helpers import Serve, dealer, recv_json, wait_live
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from mpprefill import protocol
 from mpprefill.sampling.token_logprob import UNKNOWN, TokenLogprob
-from mpprefill.server import protocol
 
 LPS = [TokenLogprob(-0.5, [[7, -0.5], [9, -1.25]]), TokenLogprob(-2.0, [[3, -0.1], [8, -2.0]])]
 

@@ -17,7 +17,7 @@ import pytest
 from mpprefill.bench.procs import free_port, front_pids, terminate
 from mpprefill.cli import build_parser
 from mpprefill.config import ServerArgs
-from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.decode.args import DecodeArgs
 from mpprefill.flags import from_namespace
 from mpprefill.http.auth import API_KEY_ENV, ApiKeyMiddleware
 from mpprefill.launch_server import translate

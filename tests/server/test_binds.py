@@ -16,8 +16,8 @@ import zmq
 
 from mpprefill.bench.procs import free_port, terminate
 from mpprefill.config import ServerArgs
+from mpprefill.decode.args import DecodeArgs
 from mpprefill.disagg.bootstrap import BootstrapEndpoint
-from mpprefill.disagg.decode.args import DecodeArgs
 from mpprefill.ports import Listen
 from mpprefill.server.client import Client
 
@@ -98,7 +98,7 @@ class Decode:
     """A decode server in this process, serving on a thread."""
 
     def __init__(self, **kw):
-        from mpprefill.disagg.decode.server import DecodeServer
+        from mpprefill.decode.server import DecodeServer
 
         args = DecodeArgs(receiver_port=0, zmq_port=0, max_total_tokens=256, **kw)
         self.srv = DecodeServer(args)

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from mpprefill import protocol
 from mpprefill.bench.procs import free_port
 from mpprefill.config import ServerArgs
-from mpprefill.server import protocol
 from mpprefill.server import server as front_module
 from mpprefill.server.client import Client
 from mpprefill.server.server import PrefillServer

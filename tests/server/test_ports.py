@@ -20,9 +20,9 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from mpprefill import protocol  # noqa: E402
 from mpprefill.bench.procs import free_base_port  # noqa: E402
 from mpprefill.ports import BOOTSTRAP_OFFSET, RECEIVER_OFFSET, ZMQ_OFFSET  # noqa: E402
-from mpprefill.server import protocol  # noqa: E402
 from mpprefill.server.client import Client  # noqa: E402
 from tests.http.helpers import Front  # noqa: E402
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mpprefill.config import ServerArgs
+from mpprefill.emulation.roofline import GPUS, PRESETS, host_copy_time_s
 from mpprefill.engine import PrefillEngine
 from mpprefill.worker.build import emulated_shape
-from mpprefill.worker.roofline import GPUS, PRESETS, host_copy_time_s
 
 pytestmark = pytest.mark.timeout(180)
 PROMPTS = [[(7 * i) % 4000 + 1 for i in range(n)] for n in (5, 40, 77)]

@@ -11,23 +11,23 @@ import torch
 
 from ipc.events import ShmEvent
 from mpprefill.config import FORWARD_MODES, ServerArgs
-from mpprefill.engine import PrefillEngine
-from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ForwardBatch, ModelConfig
-from mpprefill.worker.emulated import (
+from mpprefill.emulation.device import (
     EmulatedDevice,
     EmulatedStream,
     host_config,
     host_model,
     shrink,
 )
-from mpprefill.worker.roofline import (
+from mpprefill.emulation.roofline import (
     DeviceClock,
     head_parts_s,
     layer_parts_s,
     resolve_shape,
     windowed_pairs,
 )
+from mpprefill.engine import PrefillEngine
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model import ForwardBatch, ModelConfig
 
 pytestmark = pytest.mark.timeout(300)
 

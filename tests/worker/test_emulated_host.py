@@ -9,12 +9,9 @@ import pytest
 import torch
 
 from mpprefill.config import ServerArgs
-from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ForwardBatch, ModelConfig
-from mpprefill.worker import emulated
-from mpprefill.worker.build import emulated_device
-from mpprefill.worker.emulated import EmulatedDevice, LaunchCost, host_config, host_model, shrink
-from mpprefill.worker.roofline import (
+from mpprefill.emulation import device as emulated
+from mpprefill.emulation.device import EmulatedDevice, LaunchCost, host_config, host_model, shrink
+from mpprefill.emulation.roofline import (
     KERNELS_PER_HEAD,
     KERNELS_PER_LAYER,
     KERNELS_PER_MOE_LAYER,
@@ -22,6 +19,9 @@ from mpprefill.worker.roofline import (
     layer_parts_s,
     resolve_shape,
 )
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model import ForwardBatch, ModelConfig
+from mpprefill.worker.build import emulated_device
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mpprefill.worker.roofline import (
+from mpprefill.emulation.roofline import (
     GPUS,
     KERNELS_PER_HEAD,
     MEMORY_EFFICIENCY,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mpprefill.worker.roofline import (
+from mpprefill.emulation.roofline import (
     GPUS,
     PRESETS,
     ModelShape,

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from mpprefill.worker.roofline import (
+from mpprefill.emulation.roofline import (
     GEMM_TILES,
     GPUS,
     KERNELS_PER_HEAD,

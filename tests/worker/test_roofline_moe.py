@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from mpprefill.config import EMULATE_MODELS
-from mpprefill.worker.roofline import (
+from mpprefill.emulation.roofline import (
     GPUS,
     KERNEL_FLOOR_S,
     KERNELS_PER_LAYER,

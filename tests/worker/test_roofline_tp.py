@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mpprefill.engine import PrefillEngine
-from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import ForwardBatch, ModelConfig
-from mpprefill.worker.emulated import EmulatedDevice, host_config, host_model
-from mpprefill.worker.roofline import (
+from mpprefill.emulation.device import EmulatedDevice, host_config, host_model
+from mpprefill.emulation.roofline import (
     GPUS,
     KERNELS_PER_LAYER,
     PRESETS,
@@ -18,6 +15,9 @@ from mpprefill.worker.roofline import (
     head_parts_s,
     layer_parts_s,
 )
+from mpprefill.engine import PrefillEngine
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model import ForwardBatch, ModelConfig
 
 LLAMA_70B = PRESETS["Llama-3.1-70B"]
 H200 = GPUS["h200"]

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
+from mpprefill.emulation.device import EmulatedHostLink
+from mpprefill.emulation.roofline import GPUS, DeviceClock, host_copy_time_s, resolve_shape
 from mpprefill.memory.host.copier import HostCopier, SlotCopy, gather, scatter, whole_pages
 from mpprefill.memory.host.writeback import WritebackBuffers
-from mpprefill.worker.emulated import EmulatedHostLink
-from mpprefill.worker.roofline import GPUS, DeviceClock, host_copy_time_s, resolve_shape
 
 PS = 4
 LAYERS, HEADS, DIM = 3, 2, 5

@@ -9,8 +9,8 @@ import threading
 
 import ipc
 from mpprefill import ports
-from mpprefill.disagg.decode import server
-from mpprefill.disagg.decode.args import DecodeArgs
+from mpprefill.decode import server
+from mpprefill.decode.args import DecodeArgs
 from mpprefill.flags import add_flags, from_namespace
 
 
@@ -40,11 +40,11 @@ def run_decode(ns: argparse.Namespace, prog: str = "mpprefill decode") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m mpprefill.disagg.decode`: the same command without the `mpprefill` CLI."""
+    """`python -m mpprefill.decode`: the same command without the `mpprefill` CLI."""
     ap = argparse.ArgumentParser(prog="mpprefill-decode", description=server.__doc__)
     add_decode_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return run_decode(args, "python -m mpprefill.disagg.decode")
+    return run_decode(args, "python -m mpprefill.decode")

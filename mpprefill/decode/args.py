@@ -2,7 +2,7 @@
 `mpprefill decode` (mpprefill.flags).
 
 Its sockets: `--receiver-port` the receiver (prefill transfer backends, a registering
-router), `--zmq-port` the request protocol (server/protocol.py) for clients and the HTTP
+router), `--zmq-port` the request protocol (protocol.py) for clients and the HTTP
 front, `--port` the HTTP front (SGLang's meaning; 0: none). With a front, the other two
 derive from `--port` when not given (mpprefill.ports); without one they are fixed. The
 receiver and the front bind `--host`; the request socket binds `--zmq-host`, loopback
@@ -22,9 +22,9 @@ from mpprefill.config import (
     ServerArgs,
     secret_field,
 )
+from mpprefill.decode.delay import TransferDelay
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import DECODE_BACKENDS
-from mpprefill.disagg.decode.delay import TransferDelay
 from mpprefill.flags import _f
 from mpprefill.http.child import WILDCARDS
 from mpprefill.ports import Listen

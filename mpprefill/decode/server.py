@@ -3,7 +3,7 @@
 One process, one thread, one loop over four kinds of socket:
 
     request socket (--zmq-port)   clients and the HTTP front: the request protocol
-                                  (server/protocol.py): generate, abort, stats
+                                  (protocol.py): generate, abort, stats
     receiver socket               prefill transfer backends (receiver.py)
     (--receiver-port)
     prefill endpoint links        register_room / room_reply (bootstrap.py)
@@ -32,16 +32,15 @@ from pathlib import Path
 
 import zmq
 
-from mpprefill import ports
+from mpprefill import ports, protocol
+from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.bootstrap import PrefillLinks
+from mpprefill.decode.generate import Generator
+from mpprefill.decode.receiver import DecodeReceiver, Room
+from mpprefill.decode.verify import load_decode_model
 from mpprefill.disagg import wire
-from mpprefill.disagg.decode.args import DecodeArgs
-from mpprefill.disagg.decode.bootstrap import PrefillLinks
-from mpprefill.disagg.decode.generate import Generator
-from mpprefill.disagg.decode.receiver import DecodeReceiver, Room
-from mpprefill.disagg.decode.verify import load_decode_model
 from mpprefill.http.child import HttpFrontProcess
 from mpprefill.sampling.token_logprob import UNKNOWN, TokenLogprob
-from mpprefill.server import protocol
 
 logger = logging.getLogger(__name__)
 MAX_FRAMES_PER_POLL = protocol.REQUEST_HWM

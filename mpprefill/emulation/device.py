@@ -41,10 +41,7 @@ from collections.abc import Callable
 import torch
 
 from ipc.events import GenEvent
-from mpprefill.memory.kv_cache import KVCache
-from mpprefill.model import CausalLM, ForwardBatch, ModelConfig, build_model
-from mpprefill.worker.device import HostStream
-from mpprefill.worker.roofline import (
+from mpprefill.emulation.roofline import (
     GPUS,
     KERNELS_PER_HEAD,
     DeviceClock,
@@ -54,6 +51,9 @@ from mpprefill.worker.roofline import (
     layer_parts_s,
     resolve_shape,
 )
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model import CausalLM, ForwardBatch, ModelConfig, build_model
+from mpprefill.worker.device import HostStream
 
 logger = logging.getLogger(__name__)
 # New tokens per request the host computes. One, so that a request's first token does not

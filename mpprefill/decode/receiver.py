@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.delay import TransferDelay
+from mpprefill.decode.verify import KVVerifier
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_decode_pool
-from mpprefill.disagg.decode.args import DecodeArgs
-from mpprefill.disagg.decode.delay import TransferDelay
-from mpprefill.disagg.decode.verify import KVVerifier
 from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig
@@ -82,7 +82,7 @@ def pool_model_config(args: DecodeArgs) -> ModelConfig:
     config = dataclasses.replace(config, dtype=served)
     if args.emulate_model is None:
         return config
-    from mpprefill.worker.emulated import host_config
+    from mpprefill.emulation.device import host_config
 
     return host_config(config, args.emulate_model)
 

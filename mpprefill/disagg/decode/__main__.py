@@ -1,8 +1,0 @@
-"""`python -m mpprefill.disagg.decode`: the decode receiver alone (as `mpprefill decode`)."""
-
-from __future__ import annotations
-
-from mpprefill.disagg.decode.cli import main
-
-if __name__ == "__main__":
-    raise SystemExit(main())
