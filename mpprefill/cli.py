@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_commands() -> None:
     import importlib
 
-    for mod in ("mpprefill.commands", "mpprefill.bench.cli"):
+    for mod in ("mpprefill.commands", "mpprefill.bench.commands"):
         importlib.import_module(mod)
 
 

@@ -32,13 +32,13 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _decode_args(ap: argparse.ArgumentParser) -> None:
-    from mpprefill.decode.cli import add_decode_args
+    from mpprefill.decode.command import add_decode_args
 
     add_decode_args(ap)
 
 
 @command("decode", "decode receiver: the KV destination", _decode_args)
 def decode(args: argparse.Namespace) -> int:
-    from mpprefill.decode.cli import run_decode
+    from mpprefill.decode.command import run_decode
 
     return run_decode(args)

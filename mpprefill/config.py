@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpprefill import ports
-from mpprefill.flags import _f
+from mpprefill.flags import option
 from mpprefill.ports import Listen
 
 FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ahead")
@@ -65,183 +65,185 @@ def secret_field(help: str) -> Any:
 
 @dataclass(frozen=True)
 class ServerArgs:
-    model_path: str | None = _f(
+    model_path: str | None = option(
         None, "HF-style model dir (config.json + *.safetensors); default: the built-in tiny model"
     )
-    dtype: str = _f(
+    dtype: str = option(
         "auto",
         "weights and activations; auto: the checkpoint's torch_dtype (the built-in model is"
         " float32)",
         choices=DTYPES,
     )
-    kv_cache_dtype: str = _f(
+    kv_cache_dtype: str = option(
         "auto",
         "the KV pool's dtype, which the staging, transfer, host store and decode carry;"
         " auto: the model's dtype",
         choices=DTYPES,
     )
-    attention_backend: str = _f(
+    attention_backend: str = option(
         "auto",
         "batched attention: torch_native (padded SDPA, any device) or torch_varlen (torch's"
         " flash varlen kernel, CUDA); auto: torch_varlen on CUDA where it runs, else"
         " torch_native",
         choices=ATTENTION_BACKENDS,
     )
-    forward_mode: str | None = _f(
+    forward_mode: str | None = option(
         None, "where run_batch runs and how it overlaps", choices=FORWARD_MODES
     )
-    disable_overlap_schedule: bool = _f(False, "use the normal loop (no overlap)")
-    disaggregation_mode: str = _f("prefill", "PD role of this server", choices=("null", "prefill"))
-    pp_size: int = _f(1, "pipeline parallel size (only 1 is supported)")
-    page_size: int = _f(16, "tokens per KV page")
-    chunked_prefill_size: int = _f(512, "max new tokens of one request per batch (-1: off)")
-    max_running_requests: int = _f(64, "max requests in one prefill batch")
-    max_total_tokens: int | None = _f(
+    disable_overlap_schedule: bool = option(False, "use the normal loop (no overlap)")
+    disaggregation_mode: str = option(
+        "prefill", "PD role of this server", choices=("null", "prefill")
+    )
+    pp_size: int = option(1, "pipeline parallel size (only 1 is supported)")
+    page_size: int = option(16, "tokens per KV page")
+    chunked_prefill_size: int = option(512, "max new tokens of one request per batch (-1: off)")
+    max_running_requests: int = option(64, "max requests in one prefill batch")
+    max_total_tokens: int | None = option(
         None,
         "KV pool capacity in tokens; default: on CUDA, what --mem-fraction-static leaves for"
         f" it; on the CPU and the emulated device, {DEFAULT_MAX_TOTAL_TOKENS}",
     )
-    mem_fraction_static: float = _f(
+    mem_fraction_static: float = option(
         DEFAULT_MEM_FRACTION_STATIC,
         "fraction of the device's memory for the weights plus the KV pool (SGLang's meaning):"
         " on CUDA without --max-total-tokens the pool takes what this leaves of the free"
         " memory once the weights are counted; not used on the CPU or the emulated device",
     )
-    max_prefill_tokens: int = _f(4096, "max new tokens in one prefill batch")
-    context_length: int | None = _f(None, "max prompt length (default: the model's)")
-    disaggregation_transfer_backend: str = _f(
+    max_prefill_tokens: int = option(4096, "max new tokens in one prefill batch")
+    context_length: int | None = option(None, "max prompt length (default: the model's)")
+    disaggregation_transfer_backend: str = option(
         "fake", "how KV reaches the decode side", choices=TRANSFER_BACKENDS
     )
-    host: str = _f(
+    host: str = option(
         LOOPBACK,
         "address the HTTP front and the bootstrap endpoint bind to (the request socket:"
         " --zmq-host)",
     )
-    port: int = _f(
+    port: int = option(
         ports.DEFAULT_PORT,
         "HTTP port: SGLang's API, served by the HTTP front process; --zmq-port and"
         " --disaggregation-bootstrap-port derive from it when not given",
     )
-    zmq_port: int | None = _f(
+    zmq_port: int | None = option(
         None,
         "the ZeroMQ JSON request socket's port (the HTTP front, bench and chaos use it);"
         " default --port + 100",
     )
-    zmq_host: str = _f(LOOPBACK, ZMQ_HOST_HELP)
+    zmq_host: str = option(LOOPBACK, ZMQ_HOST_HELP)
     api_key: str | None = secret_field(API_KEY_HELP)
-    disable_http_front: bool = _f(
+    disable_http_front: bool = option(
         False, "serve the ZeroMQ request socket only: no HTTP front process (as the bench does)"
     )
-    tokenizer_path: str | None = _f(
+    tokenizer_path: str | None = option(
         None, "the HTTP front's tokenizer dir, with tokenizer.json (default: --model-path)"
     )
-    served_model_name: str | None = _f(
+    served_model_name: str | None = option(
         None, "the model's name in the OpenAI routes and /v1/models (default: --model-path)"
     )
-    chat_template: str | None = _f(
+    chat_template: str | None = option(
         None, "the chat template of /v1/chat/completions: a jinja file or the template itself"
     )
-    skip_tokenizer_init: bool = _f(
+    skip_tokenizer_init: bool = option(
         False, "the HTTP front takes and returns token ids only (no tokenizer, no chat)"
     )
-    decode_address: str | None = _f(None, "decode receiver address host:port (shm/mooncake)")
-    device: str = _f(
+    decode_address: str | None = option(None, "decode receiver address host:port (shm/mooncake)")
+    device: str = option(
         "auto",
         "device of the forward worker; auto: cuda when torch sees a GPU, else cpu; 'emulated'"
         " runs the model's code on the CPU at a tiny width and charges device time from a"
         " roofline of --emulate-model on --emulate-gpu",
         choices=DEVICES,
     )
-    emulate_model: str = _f(
+    emulate_model: str = option(
         "Qwen2.5-0.5B",
         "with --device emulated: the model whose shapes set the device time, a preset name"
         f" ({', '.join(EMULATE_MODELS)}) or a Hugging Face config.json (file or directory)",
     )
-    emulate_gpu: str = _f(
+    emulate_gpu: str = option(
         "h200",
         "with --device emulated: the GPU whose roofline sets the device time",
         choices=EMULATE_GPUS,
     )
-    emulate_launch_us: float = _f(
+    emulate_launch_us: float = option(
         0.0,
         "with --device emulated: driver time of one kernel launch in microseconds, spent per"
         " layer for the roofline's kernels with the GIL released, as a real launch's is (0: the"
         " host stand-in's own calls only)",
     )
-    emulate_issue: str = _f(
+    emulate_issue: str = option(
         "model",
         "with --device emulated: 'model' issues every layer of the host stand-in; 'free' runs"
         " only its embedding and head, so the forward's host issue costs next to nothing (a"
         " control: the device and the scheduler act alone)",
         choices=EMULATE_ISSUES,
     )
-    switch_interval_ms: float = _f(
+    switch_interval_ms: float = option(
         5.0,
         "the GIL's switch interval (sys.setswitchinterval) in the scheduler and forward"
         " processes alike, threads included; Python's default is 5 ms",
     )
-    staging: str = _f(
+    staging: str = option(
         "pinned",
         "with --device cuda, how batches reach the forward process: pinned host shared memory"
         " the worker copies in (the scheduler needs no CUDA) or cuda-ipc device slots the"
         " scheduler fills on its own copy stream",
         choices=STAGINGS,
     )
-    worker_threads: int = _f(
+    worker_threads: int = option(
         0,
         "torch threads for the forward (0: all cores); with a forward process the scheduler"
         " process gets the cores left, at least one",
     )
-    trace_dir: str | None = _f(None, "write Chrome trace JSON here")
-    check_invariants: bool = _f(False, "assert pool/cache invariants after every drain")
-    delay_sampling: bool = _f(False, "sample after the forward, as a separate worker step")
-    max_queued_requests: int = _f(4096, "waiting requests beyond this get 'overloaded'")
-    bootstrap_timeout: float = _f(30.0, "seconds a request may wait for its decode side")
-    forward_timeout: float = _f(
+    trace_dir: str | None = option(None, "write Chrome trace JSON here")
+    check_invariants: bool = option(False, "assert pool/cache invariants after every drain")
+    delay_sampling: bool = option(False, "sample after the forward, as a separate worker step")
+    max_queued_requests: int = option(4096, "waiting requests beyond this get 'overloaded'")
+    bootstrap_timeout: float = option(30.0, "seconds a request may wait for its decode side")
+    forward_timeout: float = option(
         300.0,
         "seconds a forward (or its deferred sample) may take before its requests fail and the"
         " worker is treated as dead; not enforced on the inline worker (normal, overlap)",
         aliases=("--watchdog-timeout",),
     )
-    transfer_timeout: float = _f(
+    transfer_timeout: float = option(
         300.0, "seconds a request's KV may take from its first page sent to the decode's ack"
     )
-    random_seed: int = _f(0, "seed of the built-in model's weights")
-    record_batches: str | None = _f(None, "on exit, write every batch's shape (JSON) here")
-    log_level: str = _f("info", "logging level")
-    disable_gc_freeze: bool = _f(
+    random_seed: int = option(0, "seed of the built-in model's weights")
+    record_batches: str | None = option(None, "on exit, write every batch's shape (JSON) here")
+    log_level: str = option("info", "logging level")
+    disable_gc_freeze: bool = option(
         False,
         "leave the heap to the cyclic GC; by default the scheduler and forward processes"
         " freeze what is alive once started (gc.freeze), so a full collection skips it",
     )
-    disable_radix_cache: bool = _f(False, "no prefix cache: every prompt is computed whole")
-    host_store_size: int = _f(
+    disable_radix_cache: bool = option(False, "no prefix cache: every prompt is computed whole")
+    host_store_size: int = option(
         0, "host KV store under the device prefix cache, in tokens, LRU-evicted (0: off)"
     )
-    disable_batched_writeback: bool = _f(
+    disable_batched_writeback: bool = option(
         False,
         "copy host write-backs one request at a time instead of one gather per batch",
         aliases=("--disable-batched-staging",),
     )
-    sliding_window: int | None = _f(
+    sliding_window: int | None = option(
         None, "window of the sliding-window layers (overrides the model's; see --swa-layers)"
     )
-    swa_layers: str | None = _f(None, SWA_PATTERN_HELP + "; default with --sliding-window: all")
-    swa_full_tokens_ratio: float = _f(
+    swa_layers: str | None = option(None, SWA_PATTERN_HELP + "; default with --sliding-window: all")
+    swa_full_tokens_ratio: float = option(
         0.8, "SWA KV pool size as a fraction of --max-total-tokens (sliding-window models)"
     )
-    swa_free_out_of_window: bool = _f(
+    swa_free_out_of_window: bool = option(
         False,
         "free a running request's sliding-window KV once it leaves the window, instead of"
         " keeping it (evicted first) for prefix hits",
     )
-    disaggregation_bootstrap_port: int | None = _f(
+    disaggregation_bootstrap_port: int | None = option(
         None,
         "port of the bootstrap endpoint where decode servers register their rooms (shm and"
         " mooncake without --decode-address; 0: any free port); default --port - 21002,"
         " SGLang's 8998 at the default --port",
     )
-    tp_size: int = _f(
+    tp_size: int = option(
         1,
         "tensor parallel size: that many forward processes, rank r on cuda:r (NCCL) or a CPU"
         " rank (gloo), sharding the model Megatron-style; needs --forward-mode proc or"

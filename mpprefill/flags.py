@@ -1,7 +1,7 @@
 """Command-line flags from a frozen dataclass, and the dataclass back from parsed flags.
 
 Each field is one flag, `--field-name`, so a flag is defined once: its default is the
-field's, its help and choices come from the field's metadata (`_f`), and its type from the
+field's, its help and choices come from the field's metadata (`option`), and its type from the
 annotation: `bool` is a switch (store_true); `int`, `float` and `str` parse as such, and so
 does `X | None` as X. Metadata `aliases` names older spellings of the flag.
 """
@@ -17,7 +17,7 @@ T = TypeVar("T")
 _PARSERS = {"int": int, "float": float, "str": str}
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
+def option(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field that is also a flag; `kw` (e.g. `choices`) joins its metadata."""
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 

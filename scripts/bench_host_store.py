@@ -160,7 +160,8 @@ def end_to_end(args: argparse.Namespace, base: ServerArgs, model: str) -> dict:
 
 
 def summary(run: dict) -> str:
-    p, of_bound = run["phase_ms_per_batch"]["P"], run["uncached_itps"] / run["forward_bound_itps"]
+    p = run["phase_ms_per_batch"]["process"]
+    of_bound = run["uncached_itps"] / run["forward_bound_itps"]
     return (
         f"uncached ITPS {run['uncached_itps']:,.0f} ({of_bound:.2f} of the forward bound),"
         f" hit {run['cache_hit_rate']:.2f}, P {p:.2f} ms"
@@ -173,7 +174,7 @@ def medians(runs: list[dict]) -> dict:
         "uncached_itps": med([r["uncached_itps"] for r in runs]),
         "total_itps": med([r["total_itps"] for r in runs]),
         "hit_rate": med([r["cache_hit_rate"] for r in runs]),
-        "p_ms": med([r["phase_ms_per_batch"]["P"] for r in runs]),
+        "p_ms": med([r["phase_ms_per_batch"]["process"] for r in runs]),
         "duration_s": med([r["duration_s"] for r in runs]),
         "forward_bound_itps": med([r["forward_bound_itps"] for r in runs]),
         "of_bound": med([r["uncached_itps"] / r["forward_bound_itps"] for r in runs]),

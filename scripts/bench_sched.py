@@ -140,8 +140,8 @@ class Iterations:
         return BatchRow(
             depth=before.depth,
             reqs=len(prefix_lens),
-            a_s=spent.get("A", 0.0),
-            p_s=spent.get("P", 0.0),
+            a_s=spent.get("build", 0.0),
+            p_s=spent.get("process", 0.0),
             sched_s=after.t - before.t - forward,
             phases={k: v for k, v in spent.items() if v and k not in FORWARD_PHASES},
         )

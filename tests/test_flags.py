@@ -10,17 +10,17 @@ import pytest
 
 from mpprefill.config import ServerArgs
 from mpprefill.decode.args import DecodeArgs
-from mpprefill.flags import _f, add_flags, from_namespace
+from mpprefill.flags import add_flags, from_namespace, option
 
 
 @dataclass(frozen=True)
 class Toy:
-    name: str = _f("toy", "its name")
-    size: int = _f(3, "how many")
-    rate: float = _f(0.5, "how fast")
-    loud: bool = _f(False, "shout")
-    limit: int | None = _f(None, "upper bound (none: no bound)")
-    color: str | None = _f(None, "paint", choices=("red", "blue"))
+    name: str = option("toy", "its name")
+    size: int = option(3, "how many")
+    rate: float = option(0.5, "how fast")
+    loud: bool = option(False, "shout")
+    limit: int | None = option(None, "upper bound (none: no bound)")
+    color: str | None = option(None, "paint", choices=("red", "blue"))
 
 
 def parser(cls: type = Toy, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def test_from_namespace_ignores_other_flags_and_applies_overrides():
 def test_an_annotation_without_a_flag_type_is_refused():
     @dataclass(frozen=True)
     class Bad:
-        sizes: list[int] | None = _f(None, "several")
+        sizes: list[int] | None = option(None, "several")
 
     with pytest.raises(TypeError, match="sizes"):
         parser(Bad)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpprefill.decode.cli import main
+from mpprefill.decode.command import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

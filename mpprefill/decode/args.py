@@ -25,7 +25,7 @@ from mpprefill.config import (
 from mpprefill.decode.delay import TransferDelay
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import DECODE_BACKENDS
-from mpprefill.flags import _f
+from mpprefill.flags import option
 from mpprefill.http.child import WILDCARDS
 from mpprefill.ports import Listen
 
@@ -37,78 +37,80 @@ ZMQ_PORT = 30201  # --zmq-port without an HTTP front
 def _server(name: str):
     """The server's flag of that name: same default and help (the verify model's)."""
     f = ServerArgs.__dataclass_fields__[name]
-    return _f(f.default, **f.metadata)
+    return option(f.default, **f.metadata)
 
 
 @dataclass(frozen=True)
 class DecodeArgs:
-    host: str = _f(
+    host: str = option(
         LOOPBACK, "address the receiver and the HTTP front bind to (the request socket: --zmq-host)"
     )
-    advertise_host: str | None = _f(
+    advertise_host: str | None = option(
         None,
         "host the prefills are told to send KV to (this receiver's address when it registers"
         " a room); default --host, or this machine's host name resolved when --host is a"
         " wildcard such as 0.0.0.0",
     )
-    port: int = _f(
+    port: int = option(
         0,
         "HTTP port: start the HTTP front (python -m mpprefill.http) on it (0: no front);"
         " --zmq-port and --receiver-port derive from it when not given",
     )
-    receiver_port: int | None = _f(
+    receiver_port: int | None = option(
         None,
         "port of the receiver socket, where prefill transfer backends (and a registering"
         " router) talk to this decode (0: any free port); default --port + 200, or"
         f" {RECEIVER_PORT} without a front",
     )
-    zmq_port: int | None = _f(
+    zmq_port: int | None = option(
         None,
         "port of the request socket (generate, abort, stats; 0: any free port); default"
         f" --port + 100, or {ZMQ_PORT} without a front",
     )
-    zmq_host: str = _f(LOOPBACK, ZMQ_HOST_HELP)
+    zmq_host: str = option(LOOPBACK, ZMQ_HOST_HELP)
     api_key: str | None = secret_field(API_KEY_HELP)
-    page_size: int = _f(16, "tokens per receive page")
-    max_total_tokens: int = _f(16384, "receive pool capacity in tokens")
-    model_path: str | None = _f(
+    page_size: int = option(16, "tokens per receive page")
+    max_total_tokens: int = option(16384, "receive pool capacity in tokens")
+    model_path: str | None = option(
         None, "model dir (its dims size the pool; it generates; --verify runs it)"
     )
-    tokenizer_path: str | None = _f(None, "the HTTP front's tokenizer dir (default: the model's)")
-    served_model_name: str | None = _f(
+    tokenizer_path: str | None = option(
+        None, "the HTTP front's tokenizer dir (default: the model's)"
+    )
+    served_model_name: str | None = option(
         None, "the model's name in the OpenAI routes and /v1/models (default: --model-path)"
     )
-    chat_template: str | None = _f(
+    chat_template: str | None = option(
         None, "the chat template of /v1/chat/completions: a jinja file or the template itself"
     )
-    skip_tokenizer_init: bool = _f(False, "the HTTP front takes and gives token ids only")
-    max_running_requests: int = _f(64, "sequences in one decode step; more wait their turn")
-    random_seed: int = _f(0, "seed of the built-in model's weights")
-    verify: bool = _f(False, "recompute each prompt's KV and compare it to what arrived")
+    skip_tokenizer_init: bool = option(False, "the HTTP front takes and gives token ids only")
+    max_running_requests: int = option(64, "sequences in one decode step; more wait their turn")
+    random_seed: int = option(0, "seed of the built-in model's weights")
+    verify: bool = option(False, "recompute each prompt's KV and compare it to what arrived")
     sliding_window: int | None = _server("sliding_window")
     swa_layers: str | None = _server("swa_layers")
     dtype: str = _server("dtype")
     kv_cache_dtype: str = _server("kv_cache_dtype")
-    emulate_model: str | None = _f(
+    emulate_model: str | None = option(
         None,
         "the prefill side runs --device emulated with this --emulate-model: size the pool"
         " for its stand-in model",
     )
-    disaggregation_transfer_backend: str = _f("shm", "how KV arrives", choices=DECODE_BACKENDS)
-    device: str = _f(
+    disaggregation_transfer_backend: str = option("shm", "how KV arrives", choices=DECODE_BACKENDS)
+    device: str = option(
         "auto",
         "where the decode generates: the CPU, as its KV pool is the host memory the prefills'"
         " transfers write into (auto: cpu; a CUDA decode is not built, cuda is refused)",
         choices=DECODE_DEVICES,
     )
-    register_timeout: float = _f(30.0, "seconds a registration may wait for free pages")
-    max_queued_registrations: int = _f(4096, "registrations waiting for pages beyond this fail")
-    waiting_timeout: float = _f(600.0, "seconds a room with pages may wait for all its KV")
-    log_level: str = _f("info", "logging level")
-    test_transfer_delay_ms: float = _f(
+    register_timeout: float = option(30.0, "seconds a registration may wait for free pages")
+    max_queued_registrations: int = option(4096, "registrations waiting for pages beyond this fail")
+    waiting_timeout: float = option(600.0, "seconds a room with pages may wait for all its KV")
+    log_level: str = option("info", "logging level")
+    test_transfer_delay_ms: float = option(
         0.0, "test only: hold each finished transfer's answer this long (see decode/delay.py)"
     )
-    test_transfer_delay_every: int = _f(1, "test only: delay rooms whose number is a multiple")
+    test_transfer_delay_every: int = option(1, "test only: delay rooms whose number is a multiple")
 
     def __post_init__(self):
         if self.device == "auto":  # NOTE: resolved once, here, as ServerArgs resolves it

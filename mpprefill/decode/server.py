@@ -6,7 +6,7 @@ One process, one thread, one loop over four kinds of socket:
                                   (protocol.py): generate, abort, stats
     receiver socket               prefill transfer backends (receiver.py)
     (--receiver-port)
-    prefill endpoint links        register_room / room_reply (bootstrap.py)
+    prefill endpoint links        register_room / room_reply (disagg/bootstrap_server.py)
 
 A generate frame: the receiver allocates the prompt's pages (`add_request`), the room is
 registered at the prefill named by `bootstrap_host:bootstrap_port` (without them, a
@@ -34,8 +34,8 @@ import zmq
 
 from mpprefill import ports, protocol
 from mpprefill.decode.args import DecodeArgs
-from mpprefill.decode.bootstrap import PrefillLinks
 from mpprefill.decode.generate import Generator
+from mpprefill.decode.prefill_links import PrefillLinks
 from mpprefill.decode.receiver import DecodeReceiver, Room
 from mpprefill.decode.verify import load_decode_model
 from mpprefill.disagg import wire

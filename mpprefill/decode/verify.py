@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from mpprefill.disagg.planes import window_first_page
+from mpprefill.disagg.plane_map import window_first_page
 from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig, load_model

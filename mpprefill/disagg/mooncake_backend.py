@@ -16,8 +16,8 @@ import socket
 
 import torch
 
-from mpprefill.disagg.planes import PoolPlanes
-from mpprefill.disagg.shards import ShippedKV
+from mpprefill.disagg.plane_map import PoolPlanes
+from mpprefill.disagg.rank_pools import ShippedKV
 from mpprefill.disagg.transfer import DEFAULT_DECODE_ADDRESS, TransferBackend
 from mpprefill.disagg.wire import PoolLayout, quote
 from mpprefill.memory.kv_cache import KVCache

@@ -20,7 +20,7 @@ import torch
 import ipc
 from ipc.handle import dtype_from_name
 from ipc.shm import SHM_DIR
-from mpprefill.disagg.planes import PoolPlanes, flat_index, head_rows, plane_view
+from mpprefill.disagg.plane_map import PoolPlanes, flat_index, head_rows, plane_view
 from mpprefill.disagg.transfer import TransferBackend
 from mpprefill.disagg.wire import PoolLayout, quote
 from mpprefill.memory.kv_cache import KVCache
@@ -33,7 +33,7 @@ DECODE_SHM_TAG = "mppdecode"
 _DECODE_SEGMENT = re.compile(rf"/{DECODE_SHM_TAG}_(\d+)_[0-9a-f]+\.(\d+)(\.\d+)?\.\d+")
 
 
-# NOTE: copies go through [planes, num_pages, page_size * heads * head_dim] views (planes.py):
+# NOTE: copies go through [planes, num_pages, page_size * heads * head_dim] views (plane_map.py):
 # index_select over dim 1 of that 3-D view, and index_copy_ over (plane, page) rows of the
 # destination, run at memory speed, while the same gather over the page dim of a 6-D
 # [2, L, pages, page, H, D] view is ~15x slower on CPU.

@@ -4,12 +4,12 @@ The scheduler thread only enqueues (`create_sender`, `send`, `abort`) and reads 
 states; the decode links, bootstrap retries, page copies and acks live on the thread.
 
 Where a room's KV goes: with `decode_address` every room goes to that one receiver; without
-it the thread serves the bootstrap endpoint (bootstrap.py) and a room goes to the receiver
+it the thread serves the bootstrap endpoint (bootstrap_server.py) and a room goes to the receiver
 that a decode server registered for it, the sender waiting in Bootstrapping (up to its
 bootstrap timeout) until one does. One link (a DEALER, `_Link`) per decode address, made
 on demand and closed once idle, so one prefill feeds any number of decode servers.
 
-At tensor-parallel size N each send reads every shipped rank's pool (shards.py) and writes
+At tensor-parallel size N each send reads every shipped rank's pool (rank_pools.py) and writes
 its KV heads into the decode's dense pool; the bootstrap names those head ranges.
 
 Whatever answers on a link is trusted with nothing: a reply it cannot use fails its room
@@ -31,10 +31,10 @@ import torch
 import zmq
 
 from mpprefill.disagg import wire
-from mpprefill.disagg.bootstrap import DEFAULT_MAX_WAITING, BootstrapEndpoint
-from mpprefill.disagg.planes import PoolPlanes, pool_planes
+from mpprefill.disagg.bootstrap_server import DEFAULT_MAX_WAITING, BootstrapEndpoint
+from mpprefill.disagg.plane_map import PoolPlanes, pool_planes
+from mpprefill.disagg.rank_pools import ShippedKV
 from mpprefill.disagg.sender import KVPoll, TransferDied
-from mpprefill.disagg.shards import ShippedKV
 from mpprefill.disagg.transfer_sender import (
     CommandQueue,
     SenderLimits,
@@ -95,7 +95,7 @@ class TransferBackend:
         max_waiting_registrations: int = DEFAULT_MAX_WAITING,
     ) -> None:
         """`kv`: the prefill's KV pool, or every tensor-parallel rank's with the KV heads it
-        holds (Worker.kv_shards; shards.py says which are read, each writing its heads).
+        holds (Worker.kv_shards; rank_pools.py says which are read, each writing its heads).
         `bootstrap_timeout`: how long each sender waits for the decode side's answer to
         its bootstrap and to its final send (TransferSender.poll); `transfer_timeout`: how
         long a sender may stay Transferring, from its first send to the ack (this thread
@@ -324,7 +324,7 @@ class TransferBackend:
         )
 
     def _read_endpoint(self) -> None:
-        """Registrations and withdrawals from decode servers (bootstrap.py)."""
+        """Registrations and withdrawals from decode servers (disagg/bootstrap_server.py)."""
         for ident, msg in self.endpoint.read():
             if isinstance(msg, wire.Abort):
                 self._withdraw(ident, msg.room)

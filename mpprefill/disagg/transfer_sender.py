@@ -111,7 +111,9 @@ class TransferSender(KVSender):
         self.target = None  # the decode pool those pages are in, as the backend opened it
         self.decode_prefix_len = 0
         self.instance = ""  # the decode receiver's run that answered the bootstrap
-        self.registered = True  # False while no decode has registered the room (bootstrap.py)
+        self.registered = (
+            True  # False while no decode has registered the room (bootstrap_server.py)
+        )
         self.transfer_by = math.inf  # the backend's deadline for the ack
         self.pages_sent = 0  # pages written so far (transfer thread)
         self.awaiting_ack = False  # its transfer_done went out (transfer thread)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpprefill.http.cli import main
+from mpprefill.http.front_main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -22,7 +22,7 @@ TRACE_NAMES = {"collect": "collect-wait"}
 MAX_GAPS = 4096  # recent hand-off gaps kept for medians (they travel in stats replies)
 RECENT_TRANSFERS = 256  # transfers the KV transfer latency is averaged over
 # The scheduler's own work per batch (t_sched); the other phases wait for the worker.
-SCHED_PHASES = ("A", "P", "S", "snapshot", "submit", "early-send", "inflight")
+SCHED_PHASES = ("build", "process", "sample", "snapshot", "submit", "early-send", "inflight")
 
 
 @dataclass

@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from mpprefill.config import ServerArgs
-from mpprefill.disagg.planes import window_swa_pages
+from mpprefill.disagg.plane_map import window_swa_pages
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.req_to_token import ReqToTokenPool
 from mpprefill.model import ModelConfig
 from mpprefill.sampling.info import SamplingBatchInfo
 from mpprefill.sampling.logprobs import to_host
-from mpprefill.scheduling.adder import AddResult, PrefillAdder
 from mpprefill.scheduling.batch import ForwardSnapshot, ScheduleBatch, build_forward_batch
 from mpprefill.scheduling.host_tier import make_host_tier
 from mpprefill.scheduling.kv_pools import add_swa_slots, make_kv_pools, prompt_fits, reclaim
 from mpprefill.scheduling.lifecycle import Lifecycle
 from mpprefill.scheduling.metrics import SchedulerMetrics
+from mpprefill.scheduling.prefill_adder import AddResult, PrefillAdder
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.trace.tracer import clock_ns, get_tracer
 from mpprefill.worker.api import ForwardResult, Worker
@@ -200,7 +200,7 @@ class Scheduler:
         tracer = get_tracer()
         if tracer.enabled:
             tracer.instant("queue", waiting=len(reqs.waiting) + len(reqs.bootstrap_queue))
-        self.metrics.add_phase("A", t0, batch.seq if batch is not None else -1)
+        self.metrics.add_phase("build", t0, batch.seq if batch is not None else -1)
         if batch is not None:
             self.metrics.on_built(batch.seq)
         return batch
@@ -337,7 +337,7 @@ class Scheduler:
         self.metrics.add_phase("device-wait", t0, snap.seq)
         t0 = clock_ns()
         sampled = self.worker.sample(snap.input, self.args.forward_timeout)
-        self.metrics.add_phase("S", t0, snap.seq)
+        self.metrics.add_phase("sample", t0, snap.seq)
         return result._replace(next_token_ids=sampled.tokens, logprobs=sampled.logprobs)
 
     # ---- results and KV sends ------------------------------------------------------------
@@ -376,7 +376,7 @@ class Scheduler:
             self.send_kv_chunk(req, last=True)
         if finished and self.host_tier is not None:
             self.host_tier.write_back(finished)
-        self.metrics.add_phase("P", t0, batch.seq)
+        self.metrics.add_phase("process", t0, batch.seq)
 
     def send_kv_chunk(self, req: Req, last: bool, end_idx: int | None = None) -> None:
         """Send KV [start_send_idx, end) of `req`; a non-final send stops on a page boundary."""

@@ -18,7 +18,7 @@ import time
 
 import zmq
 
-from mpprefill import ports, protocol, signals
+from mpprefill import ports, protocol
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.sender import TransferDied
 from mpprefill.http.child import HttpFrontProcess
@@ -27,7 +27,8 @@ from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.scheduling.stats import scheduler_stats
-from mpprefill.server.profiling import RuntimeProfiler
+from mpprefill.server import signals
+from mpprefill.server.runtime_profiler import RuntimeProfiler
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker.api import WorkerDied

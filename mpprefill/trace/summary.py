@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from mpprefill.trace import chrome
 from mpprefill.trace.tracer import Tracer
 
-FORWARD = "F"
-SCHED_WORK = ("A", "P", "S", "snapshot", "early-send", "inflight")
+FORWARD = "forward"
+SCHED_WORK = ("build", "process", "sample", "snapshot", "early-send", "inflight")
 QUEUE = "queue"  # instant with arg `waiting`, emitted by the scheduler
 Interval = tuple[int, int]
 Lane = tuple[int, int]  # (pid, tid)

@@ -13,10 +13,10 @@ from mpprefill.trace import chrome
 from mpprefill.trace.summary import FORWARD, scheduler_lane
 
 PHASE_COLORS = {
-    "A": "#4c72b0",
-    "F": "#dd8452",
-    "P": "#55a868",
-    "S": "#c44e52",
+    "build": "#4c72b0",
+    "forward": "#dd8452",
+    "process": "#55a868",
+    "sample": "#c44e52",
     "snapshot": "#8172b3",
     "submit": "#937860",
     "collect-wait": "#c7c7c7",

@@ -39,7 +39,7 @@ from mpprefill.sampling.logprobs import Logprobs
 from mpprefill.sampling.params import MAX_TOP_LOGPROBS
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
-from mpprefill.worker import profiling
+from mpprefill.worker import profile_control
 from mpprefill.worker.api import ForwardInput
 from mpprefill.worker.build import (
     build_runner,
@@ -251,7 +251,7 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
     sys.setswitchinterval(args.switch_interval_ms / 1e3)  # as in the scheduler's process
     if args.trace_dir:
         set_tracer(Tracer("worker", enabled=True))
-    profiling.serve_control()  # /start_profile and /stop_profile reach this process there
+    profile_control.serve_control()  # /start_profile and /stop_profile reach this process there
     requests = ipc.Channel(endpoints[0], bind=False, peer_pid=parent, peer_is_parent=True)
     replies = ipc.Channel(endpoints[1], bind=False, peer_pid=parent, peer_is_parent=True)
     watch = GcWatch().install()  # its pauses show as spans in a trace

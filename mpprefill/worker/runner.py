@@ -64,7 +64,7 @@ class ForwardRunner:
         t1 = clock_ns()
         tracer = get_tracer()
         if tracer.enabled:
-            tracer.record("F", t0, t1 - t0, inp.seq)
+            tracer.record("forward", t0, t1 - t0, inp.seq)
         forward_s = (t1 - t0) / 1e9
         if self.device is None:
             return RunOutput(tokens, logits, forward_s, t0, t1, forward_s, 0.0, logprobs)

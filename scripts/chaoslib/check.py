@@ -56,7 +56,7 @@ def explain(rec: Record, reply: dict, f: Faults) -> str | None:
         return "too-long" if "KV pool" in error else None
     if rec.t_abort is not None:
         return "abort"
-    # through the router: the prefill's refusal, or the decode's word of it (bootstrap.py)
+    # through the router: the prefill's refusal, or the decode's word of it (bootstrap_server.py)
     if error == "overloaded" or error.endswith("refused the request: overloaded"):
         seen = rec.outstanding_peak if rec.via == "router" else rec.outstanding_at_send
         return "overload" if seen + f.queue_slack >= f.max_queued else None

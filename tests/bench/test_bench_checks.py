@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mpprefill.bench.cli import run_problems
+from mpprefill.bench.commands import run_problems
 from mpprefill.bench.suite import _median_run
 from tests.bench.test_bench_e2e import _mpprefill
 

@@ -128,8 +128,8 @@ def test_profile_traces_both_processes_and_reports_overlap(tmp_path):
         if e.get("ph") == "X":
             names_by_pid.setdefault(e["pid"], set()).add(e["name"])
     assert len(names_by_pid) >= 2  # scheduler and forward process
-    assert any("F" in n for n in names_by_pid.values())
-    assert any({"A", "P", "collect-wait"} <= n for n in names_by_pid.values())
+    assert any("forward" in n for n in names_by_pid.values())
+    assert any({"build", "process", "collect-wait"} <= n for n in names_by_pid.values())
     pytest.importorskip("matplotlib", reason="the timeline needs the plot extra")
     assert (out_dir / "timeline.png").stat().st_size > 1000
 

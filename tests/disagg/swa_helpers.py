@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from mpprefill.decode.verify import reference_kv
-from mpprefill.disagg.planes import window_first_page
+from mpprefill.disagg.plane_map import window_first_page
 from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.memory.swa_allocator import SwaPagedAllocator

@@ -13,7 +13,7 @@ from mpprefill.decode.args import DecodeArgs
 from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.bootstrap import BootstrapEndpoint
+from mpprefill.disagg.bootstrap_server import BootstrapEndpoint
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.protocol import Code
 from tests.disagg.helpers import PAGE, FakeReq, Router, bootstrap, send_chunks, serving, wait_state

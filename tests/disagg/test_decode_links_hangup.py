@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from mpprefill.decode.bootstrap import HUNG_UP, PrefillLinks
+from mpprefill.decode.prefill_links import HUNG_UP, PrefillLinks
 from mpprefill.disagg import wire
 
 pytestmark = pytest.mark.timeout(30)

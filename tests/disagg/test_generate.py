@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpprefill.decode.generate import Generator, Output
-from mpprefill.disagg.planes import window_first_page
+from mpprefill.disagg.plane_map import window_first_page
 from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.memory.swa_allocator import SwaPagedAllocator

@@ -16,7 +16,7 @@ from mpprefill.config import ServerArgs
 from mpprefill.decode.args import DecodeArgs
 from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.planes import window_first_page
+from mpprefill.disagg.plane_map import window_first_page
 from mpprefill.memory.allocator import cdiv
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req, ReqStatus

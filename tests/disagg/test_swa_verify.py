@@ -10,11 +10,11 @@ import torch
 
 from mpprefill.config import ServerArgs
 from mpprefill.decode.args import DecodeArgs
-from mpprefill.decode.cli import add_decode_args
+from mpprefill.decode.command import add_decode_args
 from mpprefill.decode.verify import check_kv, reference_kv
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.planes import plane_view, pool_planes, window_swa_pages
+from mpprefill.disagg.plane_map import plane_view, pool_planes, window_swa_pages
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.flags import from_namespace
 from mpprefill.memory.swa_allocator import SwaPagedAllocator

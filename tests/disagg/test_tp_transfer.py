@@ -18,7 +18,7 @@ from mpprefill.decode.args import DecodeArgs
 from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_transfer
-from mpprefill.disagg.shards import ShippedKV
+from mpprefill.disagg.rank_pools import ShippedKV
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig, load_model
 from mpprefill.model.export import save_random_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpprefill.decode.args import DecodeArgs
-from mpprefill.decode.cli import add_decode_args
+from mpprefill.decode.command import add_decode_args
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_decode_pool, make_transfer
 from mpprefill.disagg.sender import FakeTransfer

@@ -49,7 +49,9 @@ def test_start_and_stop_write_both_traces(serve, tmp_path):
     names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert names == {"scheduler", "worker"}
     spans = {e["name"] for e in events if e.get("ph") == "X"}
-    assert {"F", "A", "P"} <= spans, spans  # the forward (worker) and the scheduler's phases
+    assert {"forward", "build", "process"} <= spans, (
+        spans
+    )  # the forward (worker) and the scheduler's phases
     assert "torch.worker." in torch_trace
     torch_events = _load(torch_trace)["traceEvents"]
     assert any(str(e.get("name", "")).startswith("aten::") for e in torch_events)
@@ -71,7 +73,7 @@ def test_a_num_steps_profile_stops_by_itself(serve, tmp_path):
         _load_requests(serve, 1)
     (merged,) = out_dir.glob("mpprefill.*.trace.json")
     assert not list(out_dir.glob("torch.*"))  # no activities: spans only
-    forwards = [e for e in _load(merged)["traceEvents"] if e.get("name") == "F"]
+    forwards = [e for e in _load(merged)["traceEvents"] if e.get("name") == "forward"]
     assert 1 <= len(forwards) <= 3
     assert serve.post("/stop_profile", {})[0] == 400  # it stopped already
 

@@ -3,7 +3,7 @@ a match, a lock and a transfer need SWA KV of [m - W + 1, m) and nothing before 
 
 from __future__ import annotations
 
-from mpprefill.disagg.planes import window_first_page
+from mpprefill.disagg.plane_map import window_first_page
 from tests.memory.test_swa_radix_cache import A, Sim, check_all, matched, put
 
 

@@ -48,11 +48,11 @@ def test_every_mode_gives_the_same_tokens_and_logits(mode, reference):
 
 
 STEP_NAMES = {
-    "A": "A",
+    "build": "build",
     "submit": "submit",
     "collect-wait": "collect",
-    "S": "S",
-    "P": "P",
+    "sample": "sample",
+    "process": "process",
     "early-send": "early_send",
 }
 
@@ -69,7 +69,7 @@ def traced_steps():
         set_tracer(prev)
         main = threading.get_native_id()
         recs = [r for r in tracer.records if r[1] == main and r[0] in STEP_NAMES]
-        recs = [r for r in recs if r[3] != INSTANT and not (r[0] == "A" and r[4] < 0)]
+        recs = [r for r in recs if r[3] != INSTANT and not (r[0] == "build" and r[4] < 0)]
         recs.sort(key=lambda r: r[2] + r[3])
         steps.extend((STEP_NAMES[r[0]], r[4]) for r in recs)
 
@@ -78,24 +78,30 @@ def expected_steps(mode: str, n: int, deferred: bool = True) -> list[tuple[str, 
     """DESIGN.md's order for batches 1..n, one batch per iteration, then the drain."""
     out: list[tuple[str, int]] = []
     if mode in ("thread-ahead", "proc-ahead") and not deferred:
-        out += [("A", 1), ("submit", 1)]
+        out += [("build", 1), ("submit", 1)]
         for k in range(2, n + 1):
-            out += [("A", k), ("submit", k), ("collect", k - 1), ("P", k - 1)]
-        out += [("collect", n), ("P", n)]
+            out += [("build", k), ("submit", k), ("collect", k - 1), ("process", k - 1)]
+        out += [("collect", n), ("process", n)]
     elif mode == "normal":
         for k in range(1, n + 1):
-            out += [("A", k), ("submit", k), ("collect", k), ("S", k), ("P", k)]
+            out += [("build", k), ("submit", k), ("collect", k), ("sample", k), ("process", k)]
     elif mode in ("overlap", "thread", "proc"):
         for k in range(1, n + 1):
-            out += [("A", k), ("submit", k), ("collect", k)]
-            out += [("P", k - 1)] if k > 1 else []
-            out += [("S", k)]
-        out += [("P", n)]
+            out += [("build", k), ("submit", k), ("collect", k)]
+            out += [("process", k - 1)] if k > 1 else []
+            out += [("sample", k)]
+        out += [("process", n)]
     else:
-        out += [("A", 1), ("submit", 1)]
+        out += [("build", 1), ("submit", 1)]
         for k in range(2, n + 1):
-            out += [("A", k), ("collect", k - 1), ("S", k - 1), ("submit", k), ("P", k - 1)]
-        out += [("collect", n), ("S", n), ("P", n)]
+            out += [
+                ("build", k),
+                ("collect", k - 1),
+                ("sample", k - 1),
+                ("submit", k),
+                ("process", k - 1),
+            ]
+        out += [("collect", n), ("sample", n), ("process", n)]
     return out
 
 

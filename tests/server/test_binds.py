@@ -17,7 +17,7 @@ import zmq
 from mpprefill.bench.procs import free_port, terminate
 from mpprefill.config import ServerArgs
 from mpprefill.decode.args import DecodeArgs
-from mpprefill.disagg.bootstrap import BootstrapEndpoint
+from mpprefill.disagg.bootstrap_server import BootstrapEndpoint
 from mpprefill.ports import Listen
 from mpprefill.server.client import Client
 

@@ -38,9 +38,9 @@ def pipeline():
     waiting > 0 on [0,40) and [85,95)
     """
     return [
-        x("A", SCHED, 0, 10), x("P", SCHED, 30, 40), x("S", SCHED, 45, 50),
+        x("build", SCHED, 0, 10), x("process", SCHED, 30, 40), x("sample", SCHED, 45, 50),
         x("snapshot", SCHED, 50, 55), x("submit", SCHED, 55, 58), x("collect-wait", SCHED, 60, 70),
-        x("F", WORKER, 5, 35), x("F", WORKER, 52, 80), x("F", WORKER, 90, 100),
+        x("forward", WORKER, 5, 35), x("forward", WORKER, 52, 80), x("forward", WORKER, 90, 100),
         queue(0, 2), queue(40, 0), queue(85, 3), queue(95, 0),
     ]  # fmt: skip
 
@@ -66,15 +66,15 @@ def test_exact_overlap_and_bubbles():
     assert s.collect_wait_s == pytest.approx(10e-6)
     assert s.phase_s == pytest.approx(
         {
-            "A": 10e-6,
-            "P": 10e-6,
-            "S": 5e-6,
+            "build": 10e-6,
+            "process": 10e-6,
+            "sample": 5e-6,
             "snapshot": 5e-6,
             "submit": 3e-6,
             "collect-wait": 10e-6,
         }  # fmt: skip
     )
-    assert s.phase_per_batch_ms["A"] == pytest.approx(10e-3 / 3)
+    assert s.phase_per_batch_ms["build"] == pytest.approx(10e-3 / 3)
     assert json.loads(json.dumps(s.to_dict()))["overlap_frac"] == pytest.approx(13 / 68)
     text = s.format()
     assert "overlap" in text and "bubbles" in text and "snapshot" in text
@@ -89,8 +89,8 @@ def test_queue_samples_argument_overrides_instants():
 
 def test_no_overlap_when_scheduler_works_between_forwards():
     events = [
-        x("A", SCHED, 0, 10), x("F", WORKER, 10, 30), x("P", SCHED, 30, 35),
-        x("S", SCHED, 35, 40), x("F", WORKER, 40, 60), x("inflight", SCHED, 60, 62),
+        x("build", SCHED, 0, 10), x("forward", WORKER, 10, 30), x("process", SCHED, 30, 35),
+        x("sample", SCHED, 35, 40), x("forward", WORKER, 40, 60), x("inflight", SCHED, 60, 62),
     ]  # fmt: skip
     s = summarize(events)
     assert s.overlap_frac == 0.0
@@ -111,12 +111,12 @@ def test_thread_mode_from_raw_records():
     tracer = Tracer("scheduler", enabled=True)
     tracer.threads.update({1: "MainThread", 2: "forward"})
     tracer.records += [
-        ("A", 1, 1_000, 400, 0, None),
-        ("F", 2, 1_400, 1_000, 0, None),
-        ("A", 1, 1_500, 300, 1, None),  # admits N+1 while F(N) runs
+        ("build", 1, 1_000, 400, 0, None),
+        ("forward", 2, 1_400, 1_000, 0, None),
+        ("build", 1, 1_500, 300, 1, None),  # admits N+1 while F(N) runs
         ("collect-wait", 1, 1_800, 600, 0, None),
-        ("F", 2, 2_500, 500, 1, None),
-        ("P", 1, 2_500, 200, 0, None),
+        ("forward", 2, 2_500, 500, 1, None),
+        ("process", 1, 2_500, 200, 0, None),
         ("queue", 1, 2_400, INSTANT, -1, {"waiting": 1}),
     ]
     s = summarize(tracer)

@@ -25,12 +25,12 @@ def ahead_run(worker_pid: int, iters: int = 12) -> list[dict]:
     for i in range(iters):
         t = i * 1000
         events += [
-            _x("A", 1, 1, t, 200),
+            _x("build", 1, 1, t, 200),
             _x("snapshot", 1, 1, t + 200, 30),
             _x("submit", 1, 1, t + 230, 20),
-            _x("P", 1, 1, t + 250, 300),
+            _x("process", 1, 1, t + 250, 300),
             _x("collect-wait", 1, 1, t + 600, 350),
-            _x("F", worker_pid, 100 + worker_pid, t + 250, 700),
+            _x("forward", worker_pid, 100 + worker_pid, t + 250, 700),
         ]
     return events
 
@@ -39,19 +39,25 @@ def normal_run(iters: int = 12) -> list[dict]:
     events = [_meta("process_name", 1, 0, "scheduler")]
     for i in range(iters):
         t = i * 1500
-        events += [_x("A", 1, 1, t, 300), _x("F", 1, 1, t + 300, 900), _x("P", 1, 1, t + 1200, 300)]
+        events += [
+            _x("build", 1, 1, t, 300),
+            _x("forward", 1, 1, t + 300, 900),
+            _x("process", 1, 1, t + 1200, 300),
+        ]
     return events
 
 
 def test_split_lanes_process_thread_and_inline():
     sched, worker, label = split_lanes(chrome.read(ahead_run(worker_pid=2)))
-    assert label == "worker" and {s.name for s in worker} == {"F"}
-    assert "F" not in {s.name for s in sched}
+    assert label == "worker" and {s.name for s in worker} == {"forward"}
+    assert "forward" not in {s.name for s in sched}
     _, _, label = split_lanes(chrome.read(ahead_run(worker_pid=1)))
     assert label == "forward thread"  # same pid, another tid
     sched, worker, label = split_lanes(chrome.read(normal_run()))
     assert (
-        label.startswith("forward (sched") and len(worker) == 12 and "F" in {s.name for s in sched}
+        label.startswith("forward (sched")
+        and len(worker) == 12
+        and "forward" in {s.name for s in sched}
     )
 
 

@@ -16,7 +16,7 @@ def _child(path: str) -> None:
     """Worker side of the two-process test: F spans on its main thread and a helper thread."""
     tracer = Tracer("worker", enabled=True)
     for seq in range(3):
-        with tracer.span("F", seq, tokens=16):
+        with tracer.span("forward", seq, tokens=16):
             time.sleep(0.001)
 
     def helper():
@@ -31,9 +31,9 @@ def _child(path: str) -> None:
 
 def test_disabled_tracer_records_nothing():
     tracer = Tracer("sched", enabled=False)
-    with tracer.span("A", 1, n=3) as s:
+    with tracer.span("build", 1, n=3) as s:
         assert s is NULL_SPAN
-    assert tracer.span("P") is tracer.span("S")
+    assert tracer.span("process") is tracer.span("sample")
     tracer.instant("queue", waiting=3)
     assert tracer.records == [] and tracer.threads == {}
 
@@ -41,24 +41,24 @@ def test_disabled_tracer_records_nothing():
 def test_enable_toggle_and_record_shape():
     tracer = Tracer("sched", enabled=False)
     tracer.enabled = True
-    with tracer.span("A", 5, bs=2):
+    with tracer.span("build", 5, bs=2):
         pass
     tracer.instant("queue", waiting=4)
     (name, tid, start, dur, seq, args), inst = tracer.records
-    assert (name, seq, args) == ("A", 5, {"bs": 2}) and dur >= 0 and start <= clock_ns()
+    assert (name, seq, args) == ("build", 5, {"bs": 2}) and dur >= 0 and start <= clock_ns()
     assert tid == threading.get_native_id() and tracer.threads[tid] == "MainThread"
     assert inst[0] == "queue" and inst[3] == INSTANT and inst[5] == {"waiting": 4}
     tracer.enabled = False
-    with tracer.span("A"):
+    with tracer.span("build"):
         pass
     assert len(tracer.records) == 2
 
 
 def test_span_records_even_when_body_raises():
     tracer = Tracer("sched", enabled=True)
-    with pytest.raises(RuntimeError), tracer.span("P"):
+    with pytest.raises(RuntimeError), tracer.span("process"):
         raise RuntimeError("boom")
-    assert [r[0] for r in tracer.records] == ["P"]
+    assert [r[0] for r in tracer.records] == ["process"]
 
 
 def test_get_set_tracer():
@@ -81,7 +81,7 @@ def measure_overhead(n: int = 100_000) -> dict[str, float]:
                 pass
         else:
             for i in range(n):
-                with tracer.span("F", i):
+                with tracer.span("forward", i):
                     pass
         return (time.perf_counter_ns() - t0) / n
 
@@ -100,7 +100,7 @@ def test_overhead_disabled_is_small():
 def test_two_processes_merge_into_one_chrome_trace(tmp_path):
     sched = Tracer("scheduler", enabled=True)
     before = clock_ns()
-    with sched.span("A", 0):
+    with sched.span("build", 0):
         child_dump = tmp_path / "worker.json"
         proc = mp.get_context("spawn").Process(target=_child, args=(str(child_dump),))
         proc.start()
@@ -109,7 +109,7 @@ def test_two_processes_merge_into_one_chrome_trace(tmp_path):
         proc.kill()
         pytest.fail("child tracer process hung")
     assert proc.exitcode == 0
-    with sched.span("P", 0):
+    with sched.span("process", 0):
         pass
     after = clock_ns()
     sched_dump = sched.dump(tmp_path / "raw")  # a directory: default name inside
@@ -128,7 +128,7 @@ def test_two_processes_merge_into_one_chrome_trace(tmp_path):
     threads = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
     assert {(proc.pid, "MainThread"), (proc.pid, "helper"), (os.getpid(), "MainThread")} <= threads
 
-    fwd = [e for e in spans if e["name"] == "F"]
+    fwd = [e for e in spans if e["name"] == "forward"]
     assert [e["args"]["seq"] for e in fwd] == [0, 1, 2] and fwd[0]["args"]["tokens"] == 16
     assert all(e["pid"] == proc.pid and e["dur"] >= 1000 for e in fwd)  # slept 1 ms each
 
@@ -137,7 +137,7 @@ def test_two_processes_merge_into_one_chrome_trace(tmp_path):
 
     # One clock: the child's spans fall inside the parent's window, in the parent's order.
     t0 = data["otherData"]["t0_ns"]
-    a, p = (next(e for e in spans if e["name"] == n) for n in ("A", "P"))
+    a, p = (next(e for e in spans if e["name"] == n) for n in ("build", "process"))
     for e in fwd:
         assert before <= t0 + e["ts"] * 1000 <= after
         assert a["ts"] <= e["ts"] <= p["ts"]

@@ -2,7 +2,7 @@
 process and of the forward process, and torch's profiler where the forward runs.
 
 Where the forward runs in its own process (proc, proc-ahead) the torch profiler runs
-there, reached through its control socket (`worker/profiling.py`); in the other modes it
+there, reached through its control socket (`worker/profile_control.py`); in the other modes it
 runs here, recording the forward thread too. A stop (or the `num_steps`-th forward after
 the start) writes, into the start's output_dir:
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from mpprefill.protocol import StartProfile
 from mpprefill.trace import chrome
 from mpprefill.trace.profiler import TorchProfile, TraceWindow, wants_torch
-from mpprefill.worker.profiling import ProfileControl
+from mpprefill.worker.profile_control import ProfileControl
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ The prefill side has one pool, or two with sliding-window (SWA) layers (KVCache.
     full           c * F + j      c * L + full_layers[j]      c: 0 for K, 1 for V
     SWA            c * S + j      c * L + swa_layers[j]
 
-A tensor-parallel prefill has such pools per rank (shards.py), each holding a range of the
+A tensor-parallel prefill has such pools per rank (rank_pools.py), each holding a range of the
 model's KV heads; in every decode slot [H, D] its heads land at that range:
 
     decode page row   [page_size, H, D]      a pool of heads [a, b) writes [:, a:b, :]

@@ -1,7 +1,7 @@
 """The decode server's side of bootstrap: register rooms at the prefills' endpoints.
 
 A request names its prefill by `bootstrap_host:bootstrap_port`; `register` sends that
-prefill's endpoint (disagg/bootstrap.py) the room and this decode's receiver address, over
+prefill's endpoint (disagg/bootstrap_server.py) the room and this decode's receiver address, over
 one DEALER per prefill, made on demand. `withdraw` gives a room up when its request ended
 before the KV came. Replies (`room_reply`) come back from `read`: a refusal ends the room.
 A link whose prefill hangs up (its process died: a restarted one knows none of the rooms)
