@@ -5,12 +5,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from mpprefill.model.config import ModelConfig
+
+class ModelConfig(Protocol):
+    """What the pool reads of a model's config (the model's ModelConfig has it): the pool
+    sits below the model, which writes into it."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+
+    @property
+    def head_size(self) -> int: ...
+
+    @property
+    def torch_dtype(self) -> torch.dtype: ...
+
+    def is_sliding(self, layer: int) -> bool: ...
 
 # NOTE: buffer layout [2, num_layers, num_slots, num_kv_heads, head_dim]; index 0 is K, 1 is V.
 # One tensor so the whole pool can be one shared-memory segment. Slots are token-indexed;
