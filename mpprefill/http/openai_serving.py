@@ -270,67 +270,15 @@ class OpenAIServing:
         """The chunks of every choice as their tokens come, each choice's last with its
         finish reason, the usage chunk when asked, then [DONE]. A failed request is an
         error event; a client gone mid-stream cancels this, aborting what is left."""
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        events: asyncio.Queue = asyncio.Queue()
-
-        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
-            return {
-                "id": reply_id,
-                "object": kind,
-                "created": created,
-                "model": self.model_name,
-                "choices": [choice],
-            }
-
-        def piece(index: int, text: str, logprobs) -> dict[str, Any]:
-            if chat:
-                return {
-                    "index": index,
-                    "delta": {"content": text},
-                    "logprobs": logprobs,
-                    "finish_reason": None,
-                }
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
-
-        async def run(index: int, item: bodies.GenerateItem) -> None:
-            def on_delta(output: Output, delta: Delta) -> None:
-                lps = None
-                if delta.logprobs is not None:
-                    lps = self._logprobs(body, delta.ids, delta.logprobs, delta.top_logprobs, chat)
-                events.put_nowait(chunk(piece(index, delta.text, lps)))
-
-            if chat:
-                first = {
-                    "index": index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                events.put_nowait(chunk(first))
-            elif isinstance(body, op.CompletionRequest) and body.echo:
-                events.put_nowait(chunk(piece(index, self._prompt_text(item), None)))
-            try:
-                r = await self.front.run(item, t0, on_delta)
-            except Exception as e:
-                events.put_nowait(("error", e))
-                return
-            finish = r.meta["finish_reason"] or {}
-            last = piece(index, "", None)
-            if chat:
-                last["delta"] = {}
-            last["finish_reason"] = _FINISH.get(finish.get("type"), finish.get("type"))
-            if finish.get("matched") is not None:
-                last["matched_stop"] = finish["matched"]
-            events.put_nowait(chunk(last))
-            events.put_nowait(("done", r))
-
-        tasks = [asyncio.ensure_future(run(i, it)) for i, it in enumerate(items)]
+        stream = _ChunkStream(reply_id, self.model_name, chat)
+        tasks = [
+            asyncio.ensure_future(self._stream_choice(stream, body, i, it, t0))
+            for i, it in enumerate(items)
+        ]
         left, results = len(items), []
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
         try:
             while left:
-                event = await events.get()
+                event = await stream.queue.get()
                 if isinstance(event, tuple):
                     left -= 1
                     if event[0] == "error":
@@ -339,20 +287,84 @@ class OpenAIServing:
                         results.append(event[1])
                     continue
                 yield sse(event)
-            if include_usage and len(results) == len(items):
-                usage = {
-                    "id": reply_id,
-                    "object": kind,
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [],
-                    "usage": _usage(results, body.n),
-                }
-                yield sse(usage)
+            asked = body.stream_options is not None and body.stream_options.include_usage
+            if asked and len(results) == len(items):
+                yield sse(stream.usage(_usage(results, body.n)))
             yield b"data: [DONE]\n\n"
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def _stream_choice(
+        self,
+        stream: _ChunkStream,
+        body: op._Common,
+        index: int,
+        item: bodies.GenerateItem,
+        t0: float,
+    ) -> None:
+        """One choice's chunks onto the stream, then ("done", result) or ("error", e)."""
+
+        def on_delta(output: Output, delta: Delta) -> None:
+            lps = None
+            if delta.logprobs is not None:
+                lps = self._logprobs(
+                    body, delta.ids, delta.logprobs, delta.top_logprobs, stream.chat
+                )
+            stream.put(stream.piece(index, delta.text, lps))
+
+        if stream.chat:
+            stream.put(stream.role(index))
+        elif isinstance(body, op.CompletionRequest) and body.echo:
+            stream.put(stream.piece(index, self._prompt_text(item), None))
+        try:
+            r = await self.front.run(item, t0, on_delta)
+        except Exception as e:
+            stream.queue.put_nowait(("error", e))
+            return
+        stream.put(stream.last(index, r.meta["finish_reason"] or {}))
+        stream.queue.put_nowait(("done", r))
+
+
+class _ChunkStream:
+    """A streamed reply's chunks in OpenAI's format, queued as the choices make them; the
+    queue also carries each choice's end: ("done", result) or ("error", exception)."""
+
+    def __init__(self, reply_id: str, model: str, chat: bool):
+        self.chat = chat
+        self.queue: asyncio.Queue = asyncio.Queue()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self._head = {"id": reply_id, "object": kind, "created": int(time.time()), "model": model}
+
+    def put(self, choice: dict[str, Any]) -> None:
+        self.queue.put_nowait({**self._head, "choices": [choice]})
+
+    def usage(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._head, "choices": [], "usage": usage}
+
+    def piece(self, index: int, text: str, logprobs: Any) -> dict[str, Any]:
+        if self.chat:
+            return {
+                "index": index,
+                "delta": {"content": text},
+                "logprobs": logprobs,
+                "finish_reason": None,
+            }
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+
+    def role(self, index: int) -> dict[str, Any]:
+        """A chat choice's first chunk: the assistant's role, no content yet."""
+        delta = {"role": "assistant", "content": ""}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def last(self, index: int, finish: dict[str, Any]) -> dict[str, Any]:
+        last = self.piece(index, "", None)
+        if self.chat:
+            last["delta"] = {}
+        last["finish_reason"] = _FINISH.get(finish.get("type"), finish.get("type"))
+        if finish.get("matched") is not None:
+            last["matched_stop"] = finish["matched"]
+        return last
 
 
 def _usage(results: list[bodies.Result], n: int) -> dict[str, int]:
