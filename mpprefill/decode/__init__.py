@@ -1,3 +1,4 @@
-"""The decode server: the KV destination (receiver), the links to prefills (bootstrap), the
-generation loop (generate), its settings (args), command line (cli), `--verify` check
-(verify) and test-only transfer delay (delay)."""
+"""The decode server (server): the KV destination (receiver), its links to the prefills'
+bootstrap endpoints (prefill_links), the generation loop (generate), its settings (args),
+the `mpprefill decode` command (command), its `--verify` check (verify) and its test-only
+transfer delay (delay)."""
