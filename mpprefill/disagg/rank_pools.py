@@ -66,6 +66,8 @@ class ShippedKV:
         return dataclasses.replace(layout, num_kv_heads=self.num_kv_heads)
 
     def _check(self) -> None:
+        if any(s.kv.latent for s in self.shards):
+            raise ValueError("a latent KV pool (multi-head latent attention) is not shipped yet")
         why = head_tiling_error(self.kv_heads, self.num_kv_heads, self.tp_size)
         if why:
             raise ValueError(f"KV shards: {why}")

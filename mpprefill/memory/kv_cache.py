@@ -1,5 +1,5 @@
 """KVCache: every layer's K and V for every token slot; sliding-window layers in a pool
-of their own."""
+of their own; or, for latent attention, one latent row per token and layer."""
 
 from __future__ import annotations
 
@@ -23,7 +23,13 @@ class ModelConfig(Protocol):
     @property
     def torch_dtype(self) -> torch.dtype: ...
 
+    @property
+    def kv_latent_dim(self) -> int:
+        """Width of a token's latent row per layer; 0: K and V per KV head."""
+        ...
+
     def is_sliding(self, layer: int) -> bool: ...
+
 
 # NOTE: buffer layout [2, num_layers, num_slots, num_kv_heads, head_dim]; index 0 is K, 1 is V.
 # One tensor so the whole pool can be one shared-memory segment. Slots are token-indexed;
@@ -36,6 +42,14 @@ class ModelConfig(Protocol):
 #
 # A model layer's slots index its own pool: SWA layers take SWA-pool slots (the
 # allocator's `translate`), every other layer the full pool's.
+#
+# A latent pool (`latent=True`, multi-head latent attention) holds one plane, no V:
+#
+#   storage = buffer [1, num_layers, num_slots, 1, latent dim]
+#
+# a token's row per layer being what every head's K and V are decompressed from (the
+# latent and the rope key, `ModelConfig.kv_latent_dim`). The decode side and the KV
+# transfer take K/V pools only, so `model_dims` refuses a latent model.
 
 
 class KVCache:
@@ -51,7 +65,11 @@ class KVCache:
         *,
         swa_layers: Sequence[int] = (),
         num_swa_slots: int = 0,
+        latent: bool = False,
     ) -> None:
+        if latent and (num_kv_heads != 1 or swa_layers):
+            raise ValueError("a latent KV pool holds one row per token: one head, no SWA pool")
+        self.latent = latent
         self.swa_layers = tuple(sorted(set(swa_layers)))
         self.full_layers = tuple(i for i in range(num_layers) if i not in self.swa_layers)
         if any(not 0 <= i < num_layers for i in self.swa_layers):
@@ -59,7 +77,7 @@ class KVCache:
         if self.swa_layers and num_swa_slots <= 0:
             raise ValueError(f"SWA layers need a positive SWA pool, got {num_swa_slots} slots")
         shape = self.storage_shape(
-            num_layers, num_slots, num_kv_heads, head_dim, self.swa_layers, num_swa_slots
+            num_layers, num_slots, num_kv_heads, head_dim, self.swa_layers, num_swa_slots, latent
         )
         if buffer is None:
             buffer = torch.zeros(shape, dtype=dtype, device=device)
@@ -94,7 +112,7 @@ class KVCache:
     ) -> KVCache:
         """The pool of a model; SWA layers get `num_swa_slots` (default: num_slots). `dtype`:
         the pool's (--kv-cache-dtype, resolved), which may differ from the model's; None:
-        the model's."""
+        the model's. A latent-attention model gets a latent pool."""
         layers, heads, dim, swa, n_swa = cls._model_layout(config, num_slots, num_swa_slots)
         return cls(
             layers,
@@ -106,18 +124,29 @@ class KVCache:
             buffer,
             swa_layers=swa,
             num_swa_slots=n_swa,
+            latent=config.kv_latent_dim > 0,
         )
 
     @classmethod
     def _model_layout(cls, config: ModelConfig, num_slots: int, num_swa_slots: int | None):
-        """(layers, heads, head_dim, SWA layers, SWA pool slots) of a model's pool."""
+        """(layers, heads, head_dim, SWA layers, SWA pool slots) of a model's pool; a latent
+        pool's: one head of the latent row's width."""
+        if config.kv_latent_dim:
+            return config.num_hidden_layers, 1, config.kv_latent_dim, (), 0
         swa = cls.swa_layers_of(config)
         n_swa = (num_slots if num_swa_slots is None else num_swa_slots) if swa else 0
         return (*cls.model_dims(config), swa, n_swa)
 
     @staticmethod
     def model_dims(config: ModelConfig) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) of a model's KV."""
+        """(num_layers, num_kv_heads, head_dim) of a model's K and V, as the decode side and
+        the KV transfer lay them out; a latent-attention model has none."""
+        if config.kv_latent_dim:
+            raise ValueError(
+                "this model keeps a latent KV pool (multi-head latent attention), one row per"
+                " token and layer, not K and V per head: the decode side and the KV transfer"
+                " do not take it yet (serve it with --disaggregation-transfer-backend fake)"
+            )
         return config.num_hidden_layers, config.num_key_value_heads, config.head_size
 
     @staticmethod
@@ -130,16 +159,18 @@ class KVCache:
     ) -> tuple[int, ...]:
         """Shape of the storage tensor `for_model` takes (to allocate it elsewhere)."""
         layers, heads, dim, swa, n_swa = cls._model_layout(config, num_slots, num_swa_slots)
-        return cls.storage_shape(layers, num_slots, heads, dim, swa, n_swa)
+        latent = config.kv_latent_dim > 0
+        return cls.storage_shape(layers, num_slots, heads, dim, swa, n_swa, latent)
 
     @staticmethod
     def shape(
-        num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int
+        num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, latent: bool = False
     ) -> tuple[int, int, int, int, int]:
+        """[2 (K, V), layers, slots, heads, dim]; a latent pool's [1, layers, slots, 1, dim]."""
         for n in (num_layers, num_slots, num_kv_heads, head_dim):
             if n <= 0:
                 raise ValueError(f"KV cache dimensions must be positive, got {n}")
-        return (2, num_layers, num_slots, num_kv_heads, head_dim)
+        return (1 if latent else 2, num_layers, num_slots, num_kv_heads, head_dim)
 
     @classmethod
     def storage_shape(
@@ -150,9 +181,10 @@ class KVCache:
         head_dim: int,
         swa_layers: Sequence[int] = (),
         num_swa_slots: int = 0,
+        latent: bool = False,
     ) -> tuple[int, ...]:
         """The 5-D buffer shape without SWA layers; one flat length with them."""
-        full = cls.shape(num_layers, num_slots, num_kv_heads, head_dim)
+        full = cls.shape(num_layers, num_slots, num_kv_heads, head_dim, latent)
         if not swa_layers:
             return full
         n_swa = len(swa_layers)
@@ -177,9 +209,10 @@ class KVCache:
 
     @property
     def bytes_per_slot(self) -> int:
-        """Bytes one token occupies across all full-attention layers, K and V."""
-        _, layers, _, heads, dim = self.buffer.shape
-        return 2 * layers * heads * dim * self.buffer.element_size()
+        """Bytes one token occupies across all full-attention layers, K and V (or its
+        latent rows)."""
+        planes, layers, _, heads, dim = self.buffer.shape
+        return planes * layers * heads * dim * self.buffer.element_size()
 
     def k(self, layer: int) -> torch.Tensor:
         """View [slots of its pool, num_kv_heads, head_dim] of one layer's keys."""
@@ -187,8 +220,20 @@ class KVCache:
         return pool[0, j]
 
     def v(self, layer: int) -> torch.Tensor:
+        if self.latent:
+            raise ValueError("a latent KV pool holds no V: read its rows with `latent_rows`")
         pool, j = self._where[layer]
         return pool[1, j]
+
+    def latent_rows(self, layer: int) -> torch.Tensor:
+        """View [slots, latent dim] of one layer's latent rows (a latent pool's)."""
+        if not self.latent:
+            raise ValueError("this KV pool holds K and V, not latent rows")
+        return self.buffer[0, layer, :, 0]
+
+    def write_latent(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store rows [n, latent dim] at slots locs [n] of a latent pool's layer."""
+        self.latent_rows(layer).index_copy_(0, locs, rows.to(self.dtype))
 
     def write(self, layer: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [n, num_kv_heads, head_dim] at slots locs [n] of the layer's pool."""
@@ -196,7 +241,8 @@ class KVCache:
         self.v(layer).index_copy_(0, locs, v.to(self.dtype))
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """Copy of the given slots for all layers, K and V: [2, num_layers, n, heads, dim]."""
+        """Copy of the given slots for all layers, K and V: [2, num_layers, n, heads, dim]
+        ([1, num_layers, n, 1, dim] of a latent pool)."""
         if self.swa_buffer is not None:
             raise ValueError("gather reads one pool; this cache has an SWA pool too")
         return self.buffer.index_select(2, slots)

@@ -97,8 +97,9 @@ class AttentionBackend:
     def attend(
         self, q: Tensor, k_pool: Tensor, v_pool: Tensor, plan: Any, sinks: Tensor | None = None
     ) -> Tensor:
-        """q [T, H, D] over the pool's keys and values [slots, H_kv, D]: [T, H, D].
-        `sinks` [H]: each head's sink logit (see the module doc)."""
+        """q [T, H, D] over the pool's keys [slots, H_kv, D] and values [slots, H_kv, D_v]:
+        [T, H, D_v], softmax scale D^-0.5. `sinks` [H]: each head's sink logit (see the
+        module doc)."""
         raise NotImplementedError
 
 
@@ -175,7 +176,7 @@ def _attend_group(
     else:
         out, lse = attention_with_lse(qg, kg, vg, g.mask, g.causal)
         out = out * sink_gate(lse, sinks).unsqueeze(-1).to(out.dtype)
-    return out.transpose(1, 2).reshape(n * e, heads, dim)
+    return out.transpose(1, 2).reshape(n * e, heads, vg.shape[-1])
 
 
 def attention_with_lse(
@@ -332,14 +333,27 @@ class TorchVarlen(AttentionBackend):
         v = v_pool.index_select(0, plan.key_slots)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
+        v_dim = v.shape[-1]
+        if v_dim != q.shape[-1]:
+            v = _padded_values(v, q.shape[-1])
         args = (q, k, v, plan.cu_queries, plan.cu_keys, plan.max_queries, plan.max_keys)
         if sinks is None:
-            return self.kernel(*args, window_size=plan.window, enable_gqa=True)
-        out, lse = self.kernel(
-            *args, return_aux=self.with_lse, window_size=plan.window, enable_gqa=True
-        )
-        # NOTE: the varlen kernel's log-sum-exp is [H, T] (flash-attention's varlen layout).
-        return out * sink_gate(lse, sinks).t().unsqueeze(-1).to(out.dtype)
+            out = self.kernel(*args, window_size=plan.window, enable_gqa=True)
+        else:
+            out, lse = self.kernel(
+                *args, return_aux=self.with_lse, window_size=plan.window, enable_gqa=True
+            )
+            # NOTE: the varlen kernel's log-sum-exp is [H, T] (flash-attention's varlen layout).
+            out = out * sink_gate(lse, sinks).t().unsqueeze(-1).to(out.dtype)
+        return out if v_dim == q.shape[-1] else out[..., :v_dim]
+
+
+def _padded_values(v: Tensor, dim: int) -> Tensor:
+    """V [.., D_v] zero-padded to the queries' D (the varlen kernel takes one head dim; the
+    padding's outputs are zero and cut off)."""
+    if v.shape[-1] > dim:
+        raise ValueError(f"values of {v.shape[-1]} dims wider than the queries' {dim}")
+    return F.pad(v, (0, dim - v.shape[-1]))
 
 
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -18,9 +18,11 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "GptOssForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
+MOE_SCORINGS = ("softmax", "sigmoid")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPES = tuple(_DTYPES)
 
@@ -97,10 +99,34 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # DeepSeek's routing (`moe_scoring` "sigmoid"): each expert's sigmoid score, plus a
+    # learned bias that counts for the choice only; experts in `n_group` groups, a token
+    # choosing among the `topk_group` groups of the largest top-2 sums; the chosen scores
+    # (renormalised with `norm_topk_prob`) times `routed_scaling_factor`. Shared experts: a
+    # dense MLP of `shared_expert_intermediate_size` rows every token also runs (0: none).
+    moe_scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0
+    # Multi-head latent attention (DeepSeek), on when `kv_lora_rank` > 0: q through a
+    # low-rank `q_lora_rank` projection (None: one q projection), K and V decompressed from
+    # a per-token latent of `kv_lora_rank` plus a rope key of `qk_rope_head_dim` shared by
+    # all heads, which is what the KV pool holds. Each head's q and k: `qk_nope_head_dim`
+    # unrotated then `qk_rope_head_dim` rotated; its v: `v_head_dim`. `head_dim` is the
+    # rotated part's (the rotary's width), as transformers sets it. `rope_interleave`: the
+    # checkpoint's rope pairs are adjacent, (x0, x1), (x2, x3), .. .
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         self._check_layer_types()
         self._check_experts()
+        self._check_latent_attention()
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
             _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
         _require(self.max_position_embeddings > 0, "max_position_embeddings must be positive")
@@ -149,6 +175,65 @@ class ModelConfig:
         )
         bad = [i for i in self.dense_mlp_layers if not 0 <= i < self.num_hidden_layers]
         _require(not bad, f"dense_mlp_layers {bad} are not layers of {self.num_hidden_layers}")
+        self._check_routing()
+
+    def _check_routing(self) -> None:
+        _require(
+            self.moe_scoring in MOE_SCORINGS,
+            f"moe_scoring {self.moe_scoring!r} is not one of {MOE_SCORINGS}",
+        )
+        e, groups, top = self.num_experts, self.n_group, self.topk_group
+        _require(
+            groups > 0 and e % groups == 0,
+            f"n_group ({groups}) must divide num_experts ({e})",
+        )
+        _require(0 < top <= groups, f"topk_group ({top}) must be in 1..n_group ({groups})")
+        _require(
+            groups == 1 or e // groups >= 2,
+            f"grouped routing sums each group's top 2: {e} experts in {groups} groups",
+        )
+        _require(
+            top * e // groups >= self.num_experts_per_tok,
+            f"topk_group ({top}) groups hold fewer than num_experts_per_tok experts",
+        )
+        _require(self.shared_expert_intermediate_size >= 0, "shared experts' size must be >= 0")
+
+    def _check_latent_attention(self) -> None:
+        if self.kv_lora_rank == 0:
+            return
+        _require(self.kv_lora_rank > 0, f"kv_lora_rank must be >= 0, got {self.kv_lora_rank}")
+        q_rank = self.q_lora_rank
+        _require(q_rank is None or q_rank > 0, f"q_lora_rank must be positive, got {q_rank}")
+        _require(self.qk_nope_head_dim >= 0, "qk_nope_head_dim must be >= 0")
+        _require(self.v_head_dim > 0, f"v_head_dim must be positive, got {self.v_head_dim}")
+        _require(
+            self.head_dim == self.qk_rope_head_dim,
+            f"latent attention rotates head_dim ({self.head_dim}) ="
+            f" qk_rope_head_dim ({self.qk_rope_head_dim})",
+        )
+        _require(
+            self.num_key_value_heads == self.num_attention_heads,
+            "latent attention decompresses K and V for every head: num_key_value_heads"
+            f" ({self.num_key_value_heads}) must equal num_attention_heads",
+        )
+        _require(not self.has_sliding_layers, "latent attention has no sliding-window layers")
+        _require(not self.attention_sinks, "latent attention has no attention sinks")
+
+    @property
+    def is_latent(self) -> bool:
+        """Multi-head latent attention (see `kv_lora_rank`)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Each head's q and k width under latent attention: unrotated then rotated."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """Width of the one row a token keeps per layer in a latent KV pool (the latent and
+        the rope key); 0: the pool holds K and V per KV head."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_latent else 0
 
     def is_moe(self, layer: int) -> bool:
         """True when `layer`'s MLP is the mixture of experts."""

@@ -1,7 +1,8 @@
-"""The decoder-only causal LM every family is: embedding, decoder layers (attention and a
-gated MLP, dense or a mixture of experts, each behind an RMS norm, with residuals), final
-norm and head, over a paged KV cache, prefill only. A family subclasses `CausalLM`: it
-names its architecture, reads its config.json and says which optional layers it wires in."""
+"""The decoder-only causal LM every family is: embedding, decoder layers (attention, or
+latent attention, and a gated MLP, dense or a mixture of experts, each behind an RMS norm,
+with residuals), final norm and head, over a paged KV cache, prefill only. A family
+subclasses `CausalLM`: it names its architecture, reads its config.json and says which
+optional layers it wires in."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from mpprefill.model.config import ModelConfig
 from mpprefill.model.forward_batch import ForwardBatch
 from mpprefill.model.layers.attention import Attention, LayerContext
 from mpprefill.model.layers.linear import VocabParallelEmbedding, VocabParallelHead
+from mpprefill.model.layers.mla import LatentAttention, LatentPlan
 from mpprefill.model.layers.mlp import GatedMLP
 from mpprefill.model.layers.moe import ExpertNames, SparseMoE
 from mpprefill.model.layers.norm import QKNorm, RMSNorm
@@ -36,7 +38,10 @@ class DecoderLayer(nn.Module):
         stacked_experts: bool = False,
     ) -> None:
         super().__init__()
-        self.attention = Attention(config, layer_id, tp, qk_norm)
+        if config.is_latent:
+            self.attention = LatentAttention(config, layer_id, tp)
+        else:
+            self.attention = Attention(config, layer_id, tp, qk_norm)
         if config.is_moe(layer_id):
             self.feed_forward = SparseMoE(config, tp, stacked=stacked_experts)
         else:
@@ -53,7 +58,12 @@ class DecoderLayer(nn.Module):
         config: ModelConfig, tp: TPRank, i: int, qk_norm: bool, experts: ExpertNames
     ) -> dict[str, ShardEntry]:
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        table = Attention.shard_table(config, tp, f"{hf}self_attn.", f"{ours}attention.", qk_norm)
+        if config.is_latent:
+            table = LatentAttention.shard_table(config, f"{hf}self_attn.", f"{ours}attention.")
+        else:
+            table = Attention.shard_table(
+                config, tp, f"{hf}self_attn.", f"{ours}attention.", qk_norm
+            )
         if config.is_moe(i):
             table |= SparseMoE.shard_table(config, tp, hf, f"{ours}feed_forward.", experts)
         else:
@@ -107,7 +117,9 @@ class CausalLM(nn.Module):
         self.kv_config = config if self.tp is None else shard_config(config, self.tp)
         with torch.device("meta"):
             self._build(config)
-        self.to(config.torch_dtype).to_empty(device=device)
+        self.to(config.torch_dtype)
+        self._keep_float32()
+        self.to_empty(device=device)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.requires_grad_(False).eval()
@@ -129,6 +141,13 @@ class CausalLM(nn.Module):
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
             self.output = VocabParallelHead(config, tp)
+
+    def _keep_float32(self) -> None:
+        """Parameters a layer names in `float32_params` (DeepSeek's router) stay float32,
+        as transformers keeps them, whatever the model's dtype."""
+        for module in self.modules():
+            for name in getattr(module, "float32_params", ()):
+                module.get_parameter(name).data = module.get_parameter(name).data.float()
 
     @torch.inference_mode()
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
@@ -160,7 +179,10 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.at(fb.positions, fb.max_seq_len, x.dtype)
         ctx = LayerContext(kv, cos, sin, self.attention_backend)
         backend = self.attention_backend
-        full = (fb.out_cache_loc, backend.plan(fb, fb.kv_indices, None))
+        if self.config.is_latent:
+            full = (fb.out_cache_loc, LatentPlan.of(backend, fb))
+        else:
+            full = (fb.out_cache_loc, backend.plan(fb, fb.kv_indices, None))
         sliding = full
         if self.config.has_sliding_layers:
             swa_locs, swa_indices = fb.swa_slots()

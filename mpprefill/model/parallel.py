@@ -93,6 +93,8 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     """Raise unless the model splits evenly over `size` ranks."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     problems = []
+    if config.is_latent and size > 1:
+        problems.append(f"{config.architecture}'s latent attention runs at one rank only")
     if heads % size:
         problems.append(f"num_attention_heads ({heads}) is not a multiple of it")
     if kv >= size and kv % size:

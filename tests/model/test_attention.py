@@ -41,7 +41,7 @@ def attention(q, k, v, sees, sinks=None):
 
 def reference(q, k_pool, v_pool, fb: ForwardBatch, window: int | None, sinks=None):
     """Request by request: its queries over its keys, masked as the module doc says."""
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:2], v_pool.shape[-1])
     row = key = 0
     for p, e in zip(fb.prefix_lens.tolist(), fb.extend_lens.tolist()):
         slots = fb.kv_indices[key : key + p + e]
@@ -126,6 +126,21 @@ def test_the_backends_match_attention_one_request_at_a_time(case, seed, sinks):
     for backend in (TorchNative(), TorchVarlen(kernel=flash_varlen)):
         plan = backend.plan(fb, fb.kv_indices, window)
         got = backend.attend(q, k_pool, v_pool, plan, s)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=backend.name)
+
+
+@pytest.mark.parametrize("case", CASES[2:6])
+def test_values_narrower_than_the_queries(case):
+    """Latent attention's V (v_head_dim) is narrower than its q and k: both backends give
+    [T, H, D_v] (torch_varlen pads V to the kernel's one head dim and cuts the output)."""
+    num_reqs, max_prefix, max_extend, window = case
+    fb = random_batch(random.Random(0), num_reqs, max_prefix, max_extend)
+    q, k_pool, v_pool = tensors(fb, 0)
+    v_pool = v_pool[..., :5].contiguous()
+    want = reference(q, k_pool, v_pool, fb, window)
+    for backend in (TorchNative(), TorchVarlen(kernel=flash_varlen)):
+        got = backend.attend(q, k_pool, v_pool, backend.plan(fb, fb.kv_indices, window))
+        assert got.shape == (fb.num_tokens, HEADS, 5)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=backend.name)
 
 

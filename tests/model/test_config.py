@@ -88,7 +88,7 @@ def test_from_hf_falls_back_to_model_type():
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"architectures": ["DeepseekV3ForCausalLM"]}, "DeepseekV3ForCausalLM.*LlamaForCausalLM"),
+        ({"architectures": ["DeepseekV2ForCausalLM"]}, "DeepseekV2ForCausalLM.*LlamaForCausalLM"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3.*low_freq_factor"),
         ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "longrope"),
         ({"rope_scaling": {"type": "linear"}}, "linear.*factor"),

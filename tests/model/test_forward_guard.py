@@ -43,6 +43,28 @@ GPT_OSS = {
     "layer_types": ("sliding_attention", "full_attention") * 2,
 }
 
+DEEPSEEK_V3 = {
+    **MIXTRAL,
+    "architecture": "DeepseekV3ForCausalLM",
+    "num_key_value_heads": 8,
+    "head_dim": 16,
+    "kv_lora_rank": 64,
+    "q_lora_rank": 96,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 24,
+    "rope_interleave": True,
+    "rope_scaling": RopeScaling(
+        "yarn", 4.0, original_max_position_embeddings=16, mscale_all_dim=1.0
+    ),
+    "moe_scoring": "sigmoid",
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "shared_expert_intermediate_size": 128,
+    "dense_mlp_layers": (0,),
+}
+
 
 def model_of(layers: int = 4, **changes) -> tuple[CausalLM, KVCache]:
     cfg = dataclasses.replace(ModelConfig.tiny(), num_hidden_layers=layers, **changes)
@@ -106,6 +128,7 @@ def test_the_guard_lets_the_host_read_its_own_lengths_and_tensors():
         MIXTRAL,
         QWEN3_MOE,
         GPT_OSS,
+        DEEPSEEK_V3,
     ],
     ids=[
         "plain",
@@ -117,6 +140,7 @@ def test_the_guard_lets_the_host_read_its_own_lengths_and_tensors():
         "mixtral",
         "qwen3-moe",
         "gpt-oss",
+        "deepseek-v3",
     ],
 )
 def test_a_forward_reads_no_device_tensor_and_the_guard_changes_nothing(changes):
@@ -129,8 +153,15 @@ def test_a_forward_reads_no_device_tensor_and_the_guard_changes_nothing(changes)
 
 @pytest.mark.parametrize(
     "changes",
-    [{}, {"architecture": "Qwen3ForCausalLM", "head_dim": 64}, MIXTRAL, QWEN3_MOE, GPT_OSS],
-    ids=["llama", "qwen3", "mixtral", "qwen3-moe", "gpt-oss"],
+    [
+        {},
+        {"architecture": "Qwen3ForCausalLM", "head_dim": 64},
+        MIXTRAL,
+        QWEN3_MOE,
+        GPT_OSS,
+        DEEPSEEK_V3,
+    ],
+    ids=["llama", "qwen3", "mixtral", "qwen3-moe", "gpt-oss", "deepseek-v3"],
 )
 def test_calls_do_not_grow_with_the_requests_of_a_batch(changes):
     """64 x 16 new tokens and 4 x 256 (1,024 either way), each with 64 cached."""

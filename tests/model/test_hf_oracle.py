@@ -106,7 +106,7 @@ def test_chunked_prefill_matches_transformers(tmp_path):
         torch.testing.assert_close(got, hf_last_logits(reference, prompt[:end]), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "DeepseekV2ForCausalLM"])
 def test_unsupported_architecture_is_refused(tmp_path, arch):
     config = {**DIMS, "architectures": [arch], "hidden_act": "silu"}
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -10,6 +10,7 @@ import torch
 
 from mpprefill.model.config import ModelConfig
 from mpprefill.model.decoder import CausalLM
+from mpprefill.model.families.deepseek_v3 import DeepseekV3ForCausalLM
 from mpprefill.model.families.gpt_oss import GptOssForCausalLM
 from mpprefill.model.families.llama import LlamaForCausalLM
 from mpprefill.model.families.mistral import MistralForCausalLM
@@ -29,6 +30,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
         MixtralForCausalLM,
         Qwen3MoeForCausalLM,
         GptOssForCausalLM,
+        DeepseekV3ForCausalLM,
     )
 }
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES.values()}

@@ -15,6 +15,14 @@ gpt-oss's experts (`stacked`) keep the layout its checkpoint stacks them in: gat
 ones), down [E, I, H], with biases on both and on the router, and its clamped SwiGLU
 (`ModelConfig.swiglu_limit`). Interleaved, a TP rank's rows of I are one run of columns.
 
+DeepSeek's routing (`ModelConfig.moe_scoring` "sigmoid") scores each expert by a sigmoid
+of its float32 logit; a learned per-expert bias (`score_bias`, float32 like the router's
+weight) shifts the scores for the choice only: among the `topk_group` groups whose two best
+biased scores sum highest (of `n_group` groups), a token takes its top-k experts, weighted
+by their unbiased scores (renormalised with `norm_topk_prob`) times
+`routed_scaling_factor`. Shared experts (`shared_expert_intermediate_size`) are one dense
+gated MLP every token runs, added to the routed sum.
+
 Where the grouped matmul does not take the device and dtype (CUDA in other than bfloat16),
 every expert runs over every token and the routing weights, zero for the experts a token
 did not pick, sum them: E / k times the work, the same host-known shapes.
@@ -22,6 +30,7 @@ did not pick, sum them: E / k times the work, the same host-known shapes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -30,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mpprefill.model.config import ModelConfig
+from mpprefill.model.layers.mlp import GatedMLP
 from mpprefill.model.parallel import WHOLE, ShardEntry, TPRank, span
 
 
@@ -85,6 +95,15 @@ class SparseMoE(nn.Module):
             self.b2 = nn.Parameter(torch.empty(experts, hidden))
         # NOTE: the down bias is added once, by rank 0, before the all-reduce.
         self.down_bias = self.b2 is not None and (self.tp is None or self.tp.rank == 0)
+        self.grouped_routing = config.moe_scoring == "sigmoid"
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.routed_scaling = config.routed_scaling_factor
+        self.score_bias = nn.Parameter(torch.empty(experts)) if self.grouped_routing else None
+        # parameters the model keeps in float32 whatever its dtype (see CausalLM)
+        self.float32_params = ("router.weight", "score_bias") if self.grouped_routing else ()
+        self.shared = None
+        if config.shared_expert_intermediate_size:
+            self.shared = GatedMLP(_shared_config(config), tp)
 
     def _gate_up(self) -> Tensor:
         """Every expert's gate|up weights as the right operand of x @ W: [E, H, 2I]."""
@@ -115,15 +134,41 @@ class SparseMoE(nn.Module):
         out = experts_of(x, weights, experts)
         if self.tp is not None:
             dist.all_reduce(out, group=self.tp.group)
+        if self.shared is not None:
+            out += self.shared(x)
         return out
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Each token's top-k routing weights (in x's dtype) and experts, [T, k] each."""
+        if self.grouped_routing:
+            return self._route_by_groups(x)
         probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
+
+    def _route_by_groups(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """DeepSeek's routing (see the module doc)."""
+        scores = torch.sigmoid(F.linear(x.float(), self.router.weight))
+        choice = scores + self.score_bias
+        if self.topk_group < self.n_group:
+            choice = self._in_best_groups(choice)
+        experts = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return (weights * self.routed_scaling).to(x.dtype), experts
+
+    def _in_best_groups(self, choice: Tensor) -> Tensor:
+        """`choice` [T, E] at -inf outside each token's `topk_group` best groups, a group
+        worth the sum of its two best scores."""
+        t, e = choice.shape
+        groups = choice.view(t, self.n_group, e // self.n_group)
+        worth = groups.topk(2, dim=-1).values.sum(dim=-1)
+        best = worth.topk(self.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(worth, dtype=torch.bool).scatter_(1, best, True)
+        return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
 
     def _grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         sorted_experts, order = torch.sort(experts.view(-1), stable=True)
@@ -163,6 +208,12 @@ class SparseMoE(nn.Module):
         table = {f"{block}{names.router}.weight": (f"{ours}router.weight", WHOLE, WHOLE, WHOLE)}
         if config.expert_bias:
             table[f"{block}{names.router}.bias"] = (f"{ours}router.bias", WHOLE, WHOLE, WHOLE)
+        if config.moe_scoring == "sigmoid":
+            bias = f"{block}{names.router}.e_score_correction_bias"
+            table[bias] = (f"{ours}score_bias", WHOLE, WHOLE, WHOLE)
+        if config.shared_expert_intermediate_size:
+            shared = _shared_config(config)
+            table |= GatedMLP.shard_table(shared, tp, f"{block}shared_experts.", f"{ours}shared.")
         if names.stacked:
             return table | _stacked_table(config, tp, f"{block}experts.", ours, names)
         for e in range(config.num_experts):
@@ -171,6 +222,11 @@ class SparseMoE(nn.Module):
             table[f"{expert}{names.up}.weight"] = (f"{ours}w13", (e, slice(n, 2 * n)), rows, WHOLE)
             table[f"{expert}{names.down}.weight"] = (f"{ours}w2", (e, WHOLE), WHOLE, rows)
         return table
+
+
+def _shared_config(config: ModelConfig) -> ModelConfig:
+    """The shape of the shared experts' MLP."""
+    return dataclasses.replace(config, intermediate_size=config.shared_expert_intermediate_size)
 
 
 def _stacked_table(

@@ -11,6 +11,11 @@ cos/sin table, and the in-place rotation of q and k.
 
 (M: max_position_embeddings; len: the longest sequence of the batch, a host value.) The
 formulas follow transformers' `modeling_rope_utils.py`, the oracle of `tests/model`.
+
+Latent attention (DeepSeek) rotates only the `qk_rope_head_dim` part of each head (the
+config's head_dim is that part), its pairs adjacent in the checkpoint's layout
+(`rotate_interleaved_`), and under yarn with `mscale_all_dim` also scales its softmax by
+mscale(f, mscale_all_dim)^2 (`softmax_factor`), the unrotated dims included.
 """
 
 from __future__ import annotations
@@ -89,6 +94,14 @@ def _mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def softmax_factor(scaling: RopeScaling | None) -> float:
+    """What latent attention multiplies its softmax scale (head_dim^-0.5) by: yarn's
+    mscale(f, mscale_all_dim) squared where the scaling names mscale_all_dim, else 1."""
+    if scaling is None or not scaling.mscale_all_dim:
+        return 1.0
+    return _mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+
+
 def _yarn_attention_factor(scaling: RopeScaling) -> float:
     if scaling.attention_factor is not None:
         return scaling.attention_factor
@@ -155,4 +168,13 @@ def rotate_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1_sin = x1 * sin
     x1.mul_(cos).addcmul_(x2, sin, value=-1)
     x2.mul_(cos).add_(x1_sin)
+    return x
+
+
+def rotate_interleaved_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [T, heads, d] whose pairs are adjacent, (x0, x1), (x2, x3), .., and leave
+    it in the halves layout: pair i at i and i + d / 2. q and k both leave so, which keeps
+    every q.k product, and keys enter the pool so."""
+    pairs = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # a copy, halves layout
+    x.copy_(rotate_(pairs, cos, sin))
     return x
