@@ -18,11 +18,12 @@ The backend owns the thread and composes its parts, each called from the thread 
       DecodeLinks       decode_links.py         a DEALER per decode address; room -> link
       RoomRegistry      room_registry.py        registrations (over BootstrapEndpoint)
       TransferDeadlines transfer_deadlines.py   what is due when: bootstraps, expiry, pings
+    DecodeReplies       decode_replies.py       each frame from a link, applied to its room
     PageWrites          page_writes.py          which pages a send writes where
 
-It runs the commands the senders queue, writes their pages through its pool writer (the
-subclass hooks `_attach`, `_write`, `_release`: shm_backend.py, mooncake_backend.py) and
-reads what the decode side answers on each link.
+It polls, runs the commands the senders queue, and does what needs the decode pool: the
+subclass hooks (`_attach`, `_write`, `_release`: shm_backend.py, mooncake_backend.py) open
+the pool a bootstrap reply names and write each send's pages into it.
 
 Whatever answers on a link is trusted with nothing: a reply it cannot use fails its room
 only, a message about a room bound to another link is ignored, a pool it names is checked
@@ -45,12 +46,13 @@ import zmq
 from mpprefill.disagg import wire
 from mpprefill.disagg.bootstrap_server import DEFAULT_MAX_WAITING, BootstrapEndpoint
 from mpprefill.disagg.decode_links import DecodeLink, DecodeLinks
+from mpprefill.disagg.decode_replies import DecodeReplies
 from mpprefill.disagg.live_rooms import LiveRooms
 from mpprefill.disagg.page_writes import PageWrites
 from mpprefill.disagg.plane_map import PoolPlanes
 from mpprefill.disagg.rank_pools import ShippedKV
 from mpprefill.disagg.room_registry import RoomRegistry
-from mpprefill.disagg.sender import KVPoll, TransferDied
+from mpprefill.disagg.sender import TransferDied
 from mpprefill.disagg.transfer_deadlines import TransferDeadlines
 from mpprefill.disagg.transfer_sender import CommandQueue, TransferCmd, TransferSender
 from mpprefill.memory.kv_cache import KVCache
@@ -112,11 +114,17 @@ class TransferBackend:
         )
         self._poller = zmq.Poller()
         self._deadlines = TransferDeadlines(transfer_timeout, dead_timeout, heartbeat_interval)
-        links = DecodeLinks(self._ctx, self._poller, self._deadlines, self.decode_address)
-        registry = None if self.endpoint is None else RoomRegistry(self.endpoint)
-        self.rooms = LiveRooms(links, registry, self._deadlines, self.pages)
+        self.rooms = self._live_rooms()
+        self.replies = DecodeReplies(self.rooms, self._deadlines)
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.name}", daemon=True)
         self._thread.start()
+
+    def _live_rooms(self) -> LiveRooms:
+        """The thread's rooms, over links polled by its poller and, without a fixed
+        `decode_address`, the endpoint's registrations."""
+        links = DecodeLinks(self._ctx, self._poller, self._deadlines, self.decode_address)
+        registry = None if self.endpoint is None else RoomRegistry(self.endpoint)
+        return LiveRooms(links, registry, self._deadlines, self.pages)
 
     def _open_endpoint(
         self, host: str, port: int, expiry_s: float, max_waiting: int
@@ -273,68 +281,19 @@ class TransferBackend:
 
     def _read_link(self, link: DecodeLink) -> None:
         while (frame := link.recv()) is not None:
-            self._on_frame(link, frame)
+            ready = self.replies.on_frame(link, frame)
+            if ready is not None:
+                self._ready(*ready)
 
-    def _on_frame(self, link: DecodeLink, frame: bytes) -> None:
+    def _ready(self, s: TransferSender, msg: wire.BootstrapReply) -> None:
+        """The decode side answered the room's bootstrap with its pages: open its pool."""
         try:
-            msg = wire.decode(frame)
-        except wire.WireError as e:
-            logger.warning("bad frame from the decode at %s: %s", link.address, e)
-            s = self.rooms.on_link(link, e.room)
-            if s is not None:
-                self.rooms.fail(s, f"bad frame from the decode side: {e}")
+            target, dst = self._check_reply(msg, self.rooms.address_of(s.room))
+        except Exception as e:  # whatever the peer sent, only this room fails
+            self.rooms.fail(s, f"unusable bootstrap reply: {type(e).__name__}: {e}")
             return
-        s = self.rooms.on_link(link, getattr(msg, "room", None))
-        try:
-            self._on_message(link, s, msg)
-        except Exception as e:  # a peer's message fails its room, never this thread
-            why = wire.brief(f"{type(e).__name__}: {e}")
-            logger.warning("unusable %s from the decode side: %s", type(msg).__name__, why)
-            if s is not None:
-                self.rooms.fail(s, f"unusable {type(msg).__name__}: {why}")
-
-    def _on_message(self, link: DecodeLink, s: TransferSender | None, msg: wire.Message) -> None:
-        """`s`: the live sender of the message's room bound to this link, if any."""
-        if isinstance(msg, wire.BootstrapReply) and s is not None:
-            self._on_bootstrap_reply(s, msg)
-        elif isinstance(msg, wire.Ack) and s is not None:
-            self._on_ack(s, msg)
-        elif isinstance(msg, wire.Abort):
-            if s is not None:
-                self.rooms.drop(s)
-                s.fail("aborted by the decode side")
-            link.post(wire.Abort(msg.room))  # confirms: nothing more is written for the room
-        elif isinstance(msg, wire.ErrorReply) and s is not None:
-            self.rooms.fail(s, f"decode side error: {wire.brief(msg.error)}")
-        elif isinstance(msg, wire.ErrorReply) and msg.room is None:
-            logger.warning("decode side error: %s", wire.brief(msg.error))
-
-    def _on_ack(self, s: TransferSender, msg: wire.Ack) -> None:
-        """Only the receiver run that answered the bootstrap acks, and only after the last
-        send: another run never saw the room's pages."""
-        if not s.awaiting_ack or msg.instance != s.instance:
-            why = "before the last send" if not s.awaiting_ack else "from another decode run"
-            self.rooms.fail(s, f"ack {why} (instance {wire.quote(msg.instance)})")
-        elif msg.ok:
-            self.rooms.drop(s)
-            s.succeed()
-        else:
-            self.rooms.drop(s)
-            s.fail(f"decode side refused: {wire.brief(msg.error or '')}")
-
-    def _on_bootstrap_reply(self, s: TransferSender, msg: wire.BootstrapReply) -> None:
-        if msg.status == "unknown":
-            self._deadlines.ask_soon(s.room, time.monotonic())
-        elif msg.status == "error":
-            self.rooms.fail(s, f"bootstrap refused: {wire.brief(msg.error or '')}")
-        elif s.state == KVPoll.Bootstrapping:
-            try:
-                target, dst = self._check_reply(msg, self.rooms.address_of(s.room))
-            except Exception as e:  # whatever the peer sent, only this room fails
-                self.rooms.fail(s, f"unusable bootstrap reply: {type(e).__name__}: {e}")
-                return
-            prefix = msg.decode_prefix_len
-            s.ready(target, dst, prefix, prefix // self.page_size, msg.instance)
+        prefix = msg.decode_prefix_len
+        s.ready(target, dst, prefix, prefix // self.page_size, msg.instance)
 
     def _check_reply(self, msg: wire.BootstrapReply, address: str) -> tuple[object, torch.Tensor]:
         """The decode pool the reply names, opened, and the room's pages in it."""
