@@ -4,9 +4,10 @@ A decode server that gets a request with `bootstrap_host`/`bootstrap_port`/`boot
 sends `register_room` (room, its receiver's address) to that prefill's endpoint, a ROUTER
 on `--disaggregation-bootstrap-port`. It binds the prefill's `--host` (every interface only
 when that is a wildcard such as 0.0.0.0), the host a router names as `bootstrap_host`. The
-transfer backend's thread owns the endpoint: it reads it with the decode links (`read`),
-binds a live sender of the room to the registrant's address, or holds the registration here
-until the room's request arrives (`hold`, `take`). A room whose request the prefill refused
+transfer backend's thread owns the endpoint (through RoomRegistry, room_registry.py): it
+reads it with the decode links (`read`), binds a live sender of the room to the
+registrant's address, or holds the registration here until the room's request arrives
+(`hold`, `take`). A room whose request the prefill refused
 is refused to its registrant, now or to the next one within `expiry_s` (`refuse_room`,
 `take_refusal`). Registrations and remembered refusals are bounded like every other input
 from a peer: frames of at most MAX_REGISTRATION_BYTES, at most `max_waiting` of them
