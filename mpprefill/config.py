@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpprefill import ports
+from mpprefill.devices import EMULATED, Device, Emulation
 from mpprefill.flags import option
+from mpprefill.layer_configs import SWA_PATTERN_HELP
 from mpprefill.ports import Listen
 
 FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ahead")
 TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
-DEVICES = ("auto", "cpu", "cuda", "emulated")  # auto: cuda where torch sees one, else cpu
+DEVICES = ("auto", "cpu", "cuda", EMULATED)  # auto: cuda where torch sees one, else cpu
 EMULATE_GPUS = ("h100", "h200", "b200")
 EMULATE_ISSUES = ("model", "free")  # the emulated forward's host issue: the stand-in's, or none
 MAX_LAUNCH_US = 1000.0  # a launch of a millisecond is a stall, not a driver's cost
@@ -40,10 +42,6 @@ STAGINGS = ("pinned", "cuda-ipc")  # how a CUDA worker gets its batch inputs
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # "auto": the best the device has (see mpprefill.model.attention)
 ATTENTION_BACKENDS = ("auto", "torch_native", "torch_varlen")
-SWA_PATTERN_HELP = (
-    "which layers slide: 'all', layer ids '0,2,5', or a pattern of s (sliding) and f (full)"
-    " repeated over the layers, e.g. 'sssf'"
-)
 LOOPBACK = "127.0.0.1"
 API_KEY_HELP = (
     "every HTTP route but /health needs `Authorization: Bearer KEY` (else 401); default"
@@ -255,7 +253,7 @@ class ServerArgs:
         # NOTE: the one place `auto` and the CPU's pool default resolve, so every copy
         # (dataclasses.replace, the forward process's rebuild) holds concrete values.
         object.__setattr__(self, "device", resolve_device(self.device))
-        if self.max_total_tokens is None and not self.on_cuda:
+        if self.max_total_tokens is None and not self.worker_device.on_cuda:
             object.__setattr__(self, "max_total_tokens", DEFAULT_MAX_TOTAL_TOKENS)
         self._check()
 
@@ -377,21 +375,20 @@ class ServerArgs:
         return [(self.zmq_host if listen == zmq else self.host, listen) for listen in self.listens]
 
     @property
-    def torch_device(self) -> str:
-        """Where the worker's tensors live (an emulated accelerator computes on the CPU)."""
-        return "cpu" if self.device == "emulated" else self.device
-
-    @property
-    def on_cuda(self) -> bool:
-        """The worker's tensors live on a CUDA device."""
-        return self.torch_device.split(":")[0] == "cuda"
-
-    @property
-    def device_label(self) -> str:
-        """The device as bench tables and JSON name it."""
-        if self.device == "emulated":
-            return f"emulated ({self.emulate_gpu}, {self.emulate_model})"
-        return self.device
+    def worker_device(self) -> Device:
+        """The forward's device: the one place --device's name is read."""
+        if self.device != EMULATED:
+            return Device(self.device)
+        emulation = Emulation(
+            self.emulate_model,
+            self.emulate_gpu,
+            self.tp_size,
+            self.emulate_launch_us,
+            self.emulate_issue,
+            self.dtype,
+            self.kv_cache_dtype,
+        )
+        return Device("cpu", emulation)
 
     @property
     def num_pages(self) -> int:
@@ -411,7 +408,7 @@ class ServerArgs:
     def resolved_forward_mode(self) -> str:
         mode = resolve_forward_mode(self.forward_mode, self.disable_overlap_schedule)
         check_dispatch(mode, self.disaggregation_mode, self.pp_size)
-        emulated = self.device == "emulated"  # one process models the group's device
+        emulated = self.worker_device.emulated  # one process models the group's device
         if self.tp_size > 1 and not emulated and mode not in ("proc", "proc-ahead"):
             raise ValueError(
                 f"--tp-size {self.tp_size} needs a forward process group: --forward-mode proc"

@@ -50,7 +50,9 @@ def test_server_args_resolve_auto_once_and_everything_sees_the_device():
 
     here = "cuda" if torch.cuda.is_available() else "cpu"
     args = ServerArgs()
-    assert args.device == here and args.device_label == here and args.torch_device == here
+    dev = args.worker_device
+    assert args.device == here and dev.label == here and dev.torch_device == here
+    assert not dev.emulated and dev.clock() is None and dev.host_link() is None
     assert args.replace(page_size=32).device == here
     assert ServerArgs(device="emulated").device == "emulated"  # only when asked
 

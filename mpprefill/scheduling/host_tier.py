@@ -45,7 +45,6 @@ from mpprefill.memory.radix_cache import MatchResult, RadixCache, TreeNode
 from mpprefill.scheduling.kv_pools import reclaim
 from mpprefill.scheduling.metrics import SchedulerMetrics
 from mpprefill.scheduling.req import Req
-from mpprefill.worker.build import emulated_host_link
 
 if TYPE_CHECKING:
     from mpprefill.config import ServerArgs
@@ -64,7 +63,7 @@ def make_host_tier(
     if args.host_store_size <= 0:
         return None
     kv = worker.kv_cache
-    store = HostKVStore(args.host_store_size, args.page_size, kv, emulated_host_link(args))
+    store = HostKVStore(args.host_store_size, args.page_size, kv, args.worker_device.host_link())
     batched = not args.disable_batched_writeback
     return HostTier(store, tree, allocator, kv, batched, metrics, worker.kv_fence)
 

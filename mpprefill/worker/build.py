@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -11,8 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mpprefill.config import ServerArgs, kv_pool_tokens
-from mpprefill.emulation.device import EmulatedDevice, EmulatedHostLink, host_config, host_model
-from mpprefill.emulation.roofline import EMULATED_DTYPE, ModelShape, resolve_shape
+from mpprefill.emulation.device import host_config, host_model
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import CausalLM, ModelConfig
 from mpprefill.model.config import resolve_dtypes
@@ -66,7 +64,7 @@ def rank_devices(args: ServerArgs) -> list[str]:
     """The CUDA devices the forward processes use: rank r on cuda:r in a group."""
     if args.tp_size > 1:
         return [f"cuda:{r}" for r in range(args.tp_size)]
-    return [args.torch_device]
+    return [args.worker_device.torch_device]
 
 
 def weight_bytes(config: ModelConfig, tp: TPRank | None = None) -> int:
@@ -88,10 +86,8 @@ def kv_bytes_per_token(args: ServerArgs, config: ModelConfig, tp: TPRank | None 
 
 
 def group_size(args: ServerArgs) -> int:
-    """Forward processes of the worker: one per tensor-parallel rank, but one in all for
-    the emulated device, whose clock charges one rank's time of the whole group (the ranks
-    run the same host path in lockstep)."""
-    return 1 if args.device == "emulated" else args.tp_size
+    """Forward processes of the worker (`Device.group_size`)."""
+    return args.worker_device.group_size(args.tp_size)
 
 
 def forward_threads(args: ServerArgs) -> int:
@@ -122,8 +118,9 @@ def worker_model_config(args: ServerArgs) -> ModelConfig:
     """The config of the model the worker runs, in its served dtype (for an emulated
     device, the small-width stand-in with the emulated model's layer count, in the dtype
     --dtype resolves to for --model-path)."""
-    if args.device == "emulated":
-        return host_config(config_from_args(args), args.emulate_model)
+    emulation = args.worker_device.emulation
+    if emulation is not None:
+        return host_config(config_from_args(args), emulation.model)
     return config_from_args(args)
 
 
@@ -132,33 +129,9 @@ def worker_model(
 ) -> CausalLM:
     """The model of `worker_model_config(args)` (`config`), on `device`; with `tp`, this
     rank's shard of it."""
-    if args.device == "emulated":
+    if args.worker_device.emulated:
         return host_model(config, args.random_seed)
     return model_from_args(args, device, tp)
-
-
-def emulated_shape(args: ServerArgs) -> ModelShape:
-    """--emulate-model's shape, its bytes per element those of --dtype and --kv-cache-dtype;
-    `auto` is the emulated model's own dtype (EMULATED_DTYPE), not the host stand-in's."""
-    dtypes = resolve_dtypes(args.dtype, args.kv_cache_dtype, EMULATED_DTYPE)
-    model_bytes, kv_bytes = dtypes.itemsizes
-    shape = resolve_shape(args.emulate_model)
-    return dataclasses.replace(shape, dtype_bytes=model_bytes, kv_dtype_bytes=kv_bytes)
-
-
-def emulated_device(args: ServerArgs) -> EmulatedDevice | None:
-    """The accelerator's clock for --device emulated, else None."""
-    if args.device != "emulated":
-        return None
-    shape, gpu, tp = emulated_shape(args), args.emulate_gpu, args.tp_size
-    return EmulatedDevice(shape, gpu, tp, args.emulate_launch_us, args.emulate_issue)
-
-
-def emulated_host_link(args: ServerArgs) -> EmulatedHostLink | None:
-    """The host link the host KV tier's copies take on --device emulated, else None."""
-    if args.device != "emulated":
-        return None
-    return EmulatedHostLink(emulated_shape(args), args.emulate_gpu, args.tp_size)
 
 
 def build_runner(
@@ -176,4 +149,4 @@ def build_runner(
     cfg = model.kv_config
     dtype = kv_dtype(args, cfg)
     kv = KVCache.for_model(cfg, num_kv_slots(args), device, kv_buffer, swa_slots(args), dtype)
-    return ForwardRunner(model, kv, emulated_device(args))
+    return ForwardRunner(model, kv, args.worker_device.clock())

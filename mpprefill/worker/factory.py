@@ -18,7 +18,7 @@ def make_worker(args: ServerArgs, mode: str) -> tuple[Worker, ModelConfig]:
         worker = ProcessWorker(args)
         return worker, worker.model_config
     set_torch_threads(args.worker_threads)
-    runner = build_runner(args, args.torch_device)
+    runner = build_runner(args, args.worker_device.torch_device)
     DeviceHooks.from_env().guard(runner)
     if mode in ("normal", "overlap"):
         return InlineWorker(runner), runner.model.config

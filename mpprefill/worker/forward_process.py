@@ -37,6 +37,7 @@ from mpprefill.model.parallel import TPRank, init_tp_group, shard_config, tp_bac
 from mpprefill.sampling.info import SamplingBatchInfo
 from mpprefill.sampling.logprobs import Logprobs
 from mpprefill.sampling.params import MAX_TOP_LOGPROBS
+from mpprefill.streams import HostStream
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker import profile_control
@@ -49,7 +50,7 @@ from mpprefill.worker.build import (
     swa_slots,
     worker_model_config,
 )
-from mpprefill.worker.device import DevicePlan, HostStream
+from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.events import WorkerOrder, forward_gen, make_events, sample_gen
 from mpprefill.worker.hooks import DeviceHooks, LateReads
 from mpprefill.worker.mailboxes import Inbox, Outbox

@@ -47,7 +47,7 @@ class ProcessWorker(Worker):
     def __init__(self, args: ServerArgs, hooks: DeviceHooks | None = None):
         ipc.sweep_stale(TAG)
         self.args = args
-        self.plan = DevicePlan.of(args.device, args.staging)
+        self.plan = DevicePlan.of(args.worker_device.torch_device, args.staging)
         self.prefix = ipc.new_prefix(TAG)
         self._pending: deque[ForwardInput] = deque()
         self._kv: KVCache | None = None

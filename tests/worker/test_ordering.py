@@ -15,7 +15,8 @@ from ipc.events import EventAbandoned, EventTimeout, ShmEvent
 from mpprefill.config import ServerArgs
 from mpprefill.engine import PrefillEngine
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.worker.device import DevicePlan, HostStream
+from mpprefill.streams import HostStream
+from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.events import NUM_EVENTS, SchedulerOrder, WorkerOrder, make_events
 from mpprefill.worker.fence import KVWriteFence
 from mpprefill.worker.hooks import DeviceHooks, LaggingStream
