@@ -20,8 +20,7 @@ def serve(args: argparse.Namespace) -> int:
     from mpprefill.worker.build import size_kv_pool
 
     try:
-        server_args = from_namespace(ServerArgs, args)
-        server_args.resolved_forward_mode  # noqa: B018 - validates the mode and env aliases
+        server_args = from_namespace(ServerArgs, args)  # resolves the mode and env aliases
         server_args = size_kv_pool(server_args)
     except ValueError as e:
         raise SystemExit(f"mpprefill serve: {e}") from None

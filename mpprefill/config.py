@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,9 +10,15 @@ from mpprefill import ports
 from mpprefill.devices import EMULATED, Device, Emulation
 from mpprefill.flags import option
 from mpprefill.layer_configs import SWA_PATTERN_HELP
+from mpprefill.modes import (
+    FORWARD_MODES,
+    MODES,
+    ForwardMode,
+    check_dispatch,
+    resolve_forward_mode,
+)
 from mpprefill.ports import Listen
 
-FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ahead")
 TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
 DEVICES = ("auto", "cpu", "cuda", EMULATED)  # auto: cuda where torch sees one, else cpu
 EMULATE_GPUS = ("h100", "h200", "b200")
@@ -255,6 +260,9 @@ class ServerArgs:
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.max_total_tokens is None and not self.worker_device.on_cuda:
             object.__setattr__(self, "max_total_tokens", DEFAULT_MAX_TOTAL_TOKENS)
+        # NOTE: the environment's aliases are read here, once; copies keep the name.
+        mode = resolve_forward_mode(self.forward_mode, self.disable_overlap_schedule)
+        object.__setattr__(self, "forward_mode", mode)
         self._check()
 
     def _check(self) -> None:
@@ -262,8 +270,7 @@ class ServerArgs:
             raise ValueError(f"--forward-timeout must be positive, got {self.forward_timeout}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
-        if self.forward_mode is not None and self.forward_mode not in FORWARD_MODES:
-            raise ValueError(f"--forward-mode must be one of {FORWARD_MODES}")
+        self._check_mode()
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"--page-size must be a power of two >= 1, got {self.page_size}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
@@ -315,6 +322,15 @@ class ServerArgs:
         self._check_ports()
         if self.tp_size > 1:
             self._check_tp()
+
+    def _check_mode(self) -> None:
+        check_dispatch(self.mode, self.disaggregation_mode, self.pp_size)
+        emulated = self.worker_device.emulated  # one process models the group's device
+        if self.tp_size > 1 and not emulated and not self.mode.in_process:
+            raise ValueError(
+                f"--tp-size {self.tp_size} needs a forward process group: --forward-mode proc"
+                f" or proc-ahead, not {self.forward_mode}"
+            )
 
     def _check_ports(self) -> None:
         listens = [Listen("--port", self.port), self.zmq_listen]
@@ -405,16 +421,9 @@ class ServerArgs:
         return max(1, int(self.num_pages * self.swa_full_tokens_ratio))
 
     @property
-    def resolved_forward_mode(self) -> str:
-        mode = resolve_forward_mode(self.forward_mode, self.disable_overlap_schedule)
-        check_dispatch(mode, self.disaggregation_mode, self.pp_size)
-        emulated = self.worker_device.emulated  # one process models the group's device
-        if self.tp_size > 1 and not emulated and mode not in ("proc", "proc-ahead"):
-            raise ValueError(
-                f"--tp-size {self.tp_size} needs a forward process group: --forward-mode proc"
-                f" or proc-ahead, not {mode}"
-            )
-        return mode
+    def mode(self) -> ForwardMode:
+        """The forward mode's entry (`forward_mode` is its name, resolved at construction)."""
+        return MODES[self.forward_mode]
 
     def replace(self, **kw) -> ServerArgs:
         return dataclasses.replace(self, **kw)
@@ -452,46 +461,3 @@ def kv_pool_tokens(
             " raise it or give --max-total-tokens"
         )
     return tokens
-
-
-def resolve_forward_mode(
-    mode: str | None, disable_overlap: bool, env: dict[str, str] | None = None
-) -> str:
-    """--forward-mode wins; then --disable-overlap-schedule; then the env aliases.
-
-    SGLANG_ENABLE_PREFILL_FWD_THREAD=1 gives `thread`, plus
-    SGLANG_PREFILL_FWD_THREAD_AHEAD=1 `thread-ahead`; MPPREFILL_FORWARD_MODE names a
-    mode. With none of them: `proc-ahead`.
-    """
-    env = os.environ if env is None else env
-    if mode is not None:
-        if disable_overlap and mode != "normal":
-            raise ValueError(
-                f"--forward-mode {mode} needs the overlap schedule, "
-                "but --disable-overlap-schedule was given"
-            )
-        return mode
-    if disable_overlap:
-        return "normal"
-    named = env.get("MPPREFILL_FORWARD_MODE")
-    if named:
-        if named not in FORWARD_MODES:
-            raise ValueError(f"MPPREFILL_FORWARD_MODE={named!r}: one of {FORWARD_MODES}")
-        return named
-    if _truthy(env.get("SGLANG_ENABLE_PREFILL_FWD_THREAD")):
-        return "thread-ahead" if _truthy(env.get("SGLANG_PREFILL_FWD_THREAD_AHEAD")) else "thread"
-    return "proc-ahead"
-
-
-def check_dispatch(mode: str, role: str, pp_size: int) -> None:
-    """The off-thread loops exist for the prefill role, pipeline parallel 1, with overlap."""
-    if pp_size != 1:
-        raise ValueError(f"--pp-size {pp_size}: pipeline parallelism is not supported")
-    if mode not in ("normal", "overlap") and role != "prefill":
-        raise ValueError(
-            f"--forward-mode {mode} runs only with --disaggregation-mode prefill (got {role!r})"
-        )
-
-
-def _truthy(v: str | None) -> bool:
-    return (v or "").strip().lower() in ("1", "true", "yes", "on")

@@ -13,10 +13,9 @@ from mpprefill.bench.regime import of_bound, plot_sensitivity_maps, run_of
 from mpprefill.bench.replay import forward_bound, load_shapes
 from mpprefill.bench.runner import BenchConfig, run_mode
 from mpprefill.bench.workload import Workload, solve_for_hit_rate
-from mpprefill.config import FORWARD_MODES, ServerArgs
+from mpprefill.config import ServerArgs
 from mpprefill.flags import from_namespace
-
-THREAD_MODES = ("thread", "thread-ahead")
+from mpprefill.modes import FORWARD_MODES, MODES
 
 
 def server_args(args: argparse.Namespace, **overrides) -> ServerArgs:
@@ -220,7 +219,7 @@ def _config(args, server: ServerArgs, work: Workload, label: str) -> dict:
 
 def format_table(result: dict) -> str:
     runs, bound = result["runs"], result["forward_bound_itps"]
-    threads = [r["uncached_itps"] for r in runs if r["mode"] in THREAD_MODES]
+    threads = [r["uncached_itps"] for r in runs if MODES[r["mode"]].on_thread]
     best_thread = max(threads) if threads else None
     head = (
         f"{'mode':>12} {'uncached ITPS':>13} {'x thread':>8} {'x bound':>7} {'hit':>5} "

@@ -36,12 +36,13 @@ def test_the_scheduler_gets_the_cores_the_forward_processes_leave(
 
 @pytest.mark.timeout(120)
 def test_a_process_worker_leaves_its_scheduler_one_thread_where_the_forward_takes_the_rest():
+    from mpprefill.modes import MODES
     from mpprefill.worker.factory import make_worker
 
     before = torch.get_num_threads()
     torch.set_num_threads(3)  # whatever the process had: the worker sets it
     args = ServerArgs(forward_mode="proc", worker_threads=max(1, (os.cpu_count() or 1) - 1))
-    worker, _ = make_worker(args, "proc")
+    worker, _ = make_worker(args, MODES["proc"])
     try:
         assert torch.get_num_threads() == 1
     finally:
