@@ -9,7 +9,13 @@ from typing import Any
 from mpprefill import ports
 from mpprefill.devices import EMULATED, Device, Emulation
 from mpprefill.flags import option
-from mpprefill.layer_configs import SWA_PATTERN_HELP
+from mpprefill.layer_configs import (
+    SWA_PATTERN_HELP,
+    HostTierConfig,
+    ModelSource,
+    PoolConfig,
+    WorkerConfig,
+)
 from mpprefill.modes import (
     FORWARD_MODES,
     MODES,
@@ -408,17 +414,56 @@ class ServerArgs:
 
     @property
     def num_pages(self) -> int:
-        if self.max_total_tokens is None:
-            raise ValueError(
-                "the KV pool is not sized: on CUDA give --max-total-tokens or size it from"
-                " free memory first (mpprefill.worker.build.size_kv_pool)"
-            )
-        return self.max_total_tokens // self.page_size
+        return self.pool_config().num_pages
 
     @property
     def num_swa_pages(self) -> int:
         """Pages of the SWA pool (used when the model has sliding-window layers)."""
-        return max(1, int(self.num_pages * self.swa_full_tokens_ratio))
+        return self.pool_config().num_swa_pages
+
+    def model_source(self) -> ModelSource:
+        return ModelSource(
+            self.model_path, self.dtype, self.sliding_window, self.swa_layers, self.random_seed
+        )
+
+    def pool_config(self) -> PoolConfig:
+        return PoolConfig(
+            page_size=self.page_size,
+            max_total_tokens=self.max_total_tokens,
+            swa_full_tokens_ratio=self.swa_full_tokens_ratio,
+            chunked_prefill_size=self.chunked_prefill_size,
+            disable_radix_cache=self.disable_radix_cache,
+            swa_free_out_of_window=self.swa_free_out_of_window,
+        )
+
+    def host_tier_config(self) -> HostTierConfig:
+        return HostTierConfig(
+            size=self.host_store_size,
+            page_size=self.page_size,
+            device=self.worker_device,
+            batched_writeback=not self.disable_batched_writeback,
+        )
+
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(
+            model=self.model_source(),
+            pools=self.pool_config(),
+            device=self.worker_device,
+            kv_cache_dtype=self.kv_cache_dtype,
+            attention_backend=self.attention_backend,
+            staging=self.staging,
+            tp_size=self.tp_size,
+            worker_threads=self.worker_threads,
+            switch_interval_ms=self.switch_interval_ms,
+            forward_timeout=self.forward_timeout,
+            max_running_requests=self.max_running_requests,
+            max_prefill_tokens=self.max_prefill_tokens,
+            context_length=self.context_length,
+            mem_fraction_static=self.mem_fraction_static,
+            trace_dir=self.trace_dir,
+            disable_gc_freeze=self.disable_gc_freeze,
+            log_level=self.log_level,
+        )
 
     @property
     def mode(self) -> ForwardMode:

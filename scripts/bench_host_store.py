@@ -216,9 +216,9 @@ def time_staging(
     need = num_reqs * (args.prompt_len + base.page_size) / base.swa_full_tokens_ratio
     pages = cdiv(int(need), base.page_size)
     base = base.replace(max_total_tokens=max(base.max_total_tokens, pages * base.page_size))
-    config = worker_model_config(base)
+    config = worker_model_config(base.worker_config())
     pool = ReqToTokenPool(num_reqs + 1, args.prompt_len + 1)
-    allocator, tree = make_kv_pools(base, config, pool)
+    allocator, tree = make_kv_pools(base.pool_config(), config, pool)
     kv = KVCache.for_model(config, allocator.size, num_swa_slots=allocator.swa_size or None)
     kv.storage.normal_()
     store = HostKVStore(args.host_store_size, base.page_size, kv, base.worker_device.host_link())

@@ -14,12 +14,13 @@ from mpprefill.worker.runner import set_torch_threads
 
 
 def make_worker(args: ServerArgs, mode: ForwardMode) -> tuple[Worker, ModelConfig]:
+    cfg = args.worker_config()
     if mode.in_process:
-        set_torch_threads(scheduler_threads(args))
-        worker = ProcessWorker(args)
+        set_torch_threads(scheduler_threads(cfg))
+        worker = ProcessWorker(cfg)
         return worker, worker.model_config
-    set_torch_threads(args.worker_threads)
-    runner = build_runner(args, args.worker_device.torch_device)
+    set_torch_threads(cfg.worker_threads)
+    runner = build_runner(cfg, cfg.device.torch_device)
     DeviceHooks.from_env().guard(runner)
     if mode.inline:
         return InlineWorker(runner), runner.model.config

@@ -29,9 +29,9 @@ def test_the_scheduler_gets_the_cores_the_forward_processes_leave(
     monkeypatch, cpus, kw, forward, scheduler
 ):
     monkeypatch.setattr(build.os, "cpu_count", lambda: cpus)
-    args = ServerArgs(**kw)
-    assert forward_threads(args) == forward
-    assert scheduler_threads(args) == scheduler
+    cfg = ServerArgs(**kw).worker_config()
+    assert forward_threads(cfg) == forward
+    assert scheduler_threads(cfg) == scheduler
 
 
 @pytest.mark.timeout(120)
