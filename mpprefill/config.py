@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from mpprefill import ports
+from mpprefill.devices import EMULATED, Device, Emulation
 from mpprefill.flags import option
+from mpprefill.layer_configs import (
+    SWA_PATTERN_HELP,
+    HostTierConfig,
+    ModelSource,
+    PoolConfig,
+    WorkerConfig,
+)
+from mpprefill.modes import (
+    FORWARD_MODES,
+    MODES,
+    ForwardMode,
+    check_dispatch,
+    resolve_forward_mode,
+)
 from mpprefill.ports import Listen
 
-FORWARD_MODES = ("normal", "overlap", "thread", "thread-ahead", "proc", "proc-ahead")
 TRANSFER_BACKENDS = ("shm", "mooncake", "fake")
-DEVICES = ("auto", "cpu", "cuda", "emulated")  # auto: cuda where torch sees one, else cpu
+DEVICES = ("auto", "cpu", "cuda", EMULATED)  # auto: cuda where torch sees one, else cpu
 EMULATE_GPUS = ("h100", "h200", "b200")
 EMULATE_ISSUES = ("model", "free")  # the emulated forward's host issue: the stand-in's, or none
 MAX_LAUNCH_US = 1000.0  # a launch of a millisecond is a stall, not a driver's cost
@@ -40,10 +53,6 @@ STAGINGS = ("pinned", "cuda-ipc")  # how a CUDA worker gets its batch inputs
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # "auto": the best the device has (see mpprefill.model.attention)
 ATTENTION_BACKENDS = ("auto", "torch_native", "torch_varlen")
-SWA_PATTERN_HELP = (
-    "which layers slide: 'all', layer ids '0,2,5', or a pattern of s (sliding) and f (full)"
-    " repeated over the layers, e.g. 'sssf'"
-)
 LOOPBACK = "127.0.0.1"
 API_KEY_HELP = (
     "every HTTP route but /health needs `Authorization: Bearer KEY` (else 401); default"
@@ -255,8 +264,11 @@ class ServerArgs:
         # NOTE: the one place `auto` and the CPU's pool default resolve, so every copy
         # (dataclasses.replace, the forward process's rebuild) holds concrete values.
         object.__setattr__(self, "device", resolve_device(self.device))
-        if self.max_total_tokens is None and not self.on_cuda:
+        if self.max_total_tokens is None and not self.worker_device.on_cuda:
             object.__setattr__(self, "max_total_tokens", DEFAULT_MAX_TOTAL_TOKENS)
+        # NOTE: the environment's aliases are read here, once; copies keep the name.
+        mode = resolve_forward_mode(self.forward_mode, self.disable_overlap_schedule)
+        object.__setattr__(self, "forward_mode", mode)
         self._check()
 
     def _check(self) -> None:
@@ -264,8 +276,7 @@ class ServerArgs:
             raise ValueError(f"--forward-timeout must be positive, got {self.forward_timeout}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
-        if self.forward_mode is not None and self.forward_mode not in FORWARD_MODES:
-            raise ValueError(f"--forward-mode must be one of {FORWARD_MODES}")
+        self._check_mode()
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"--page-size must be a power of two >= 1, got {self.page_size}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
@@ -317,6 +328,15 @@ class ServerArgs:
         self._check_ports()
         if self.tp_size > 1:
             self._check_tp()
+
+    def _check_mode(self) -> None:
+        check_dispatch(self.mode, self.disaggregation_mode, self.pp_size)
+        emulated = self.worker_device.emulated  # one process models the group's device
+        if self.tp_size > 1 and not emulated and not self.mode.in_process:
+            raise ValueError(
+                f"--tp-size {self.tp_size} needs a forward process group: --forward-mode proc"
+                f" or proc-ahead, not {self.forward_mode}"
+            )
 
     def _check_ports(self) -> None:
         listens = [Listen("--port", self.port), self.zmq_listen]
@@ -377,47 +397,78 @@ class ServerArgs:
         return [(self.zmq_host if listen == zmq else self.host, listen) for listen in self.listens]
 
     @property
-    def torch_device(self) -> str:
-        """Where the worker's tensors live (an emulated accelerator computes on the CPU)."""
-        return "cpu" if self.device == "emulated" else self.device
-
-    @property
-    def on_cuda(self) -> bool:
-        """The worker's tensors live on a CUDA device."""
-        return self.torch_device.split(":")[0] == "cuda"
-
-    @property
-    def device_label(self) -> str:
-        """The device as bench tables and JSON name it."""
-        if self.device == "emulated":
-            return f"emulated ({self.emulate_gpu}, {self.emulate_model})"
-        return self.device
+    def worker_device(self) -> Device:
+        """The forward's device: the one place --device's name is read."""
+        if self.device != EMULATED:
+            return Device(self.device)
+        emulation = Emulation(
+            self.emulate_model,
+            self.emulate_gpu,
+            self.tp_size,
+            self.emulate_launch_us,
+            self.emulate_issue,
+            self.dtype,
+            self.kv_cache_dtype,
+        )
+        return Device("cpu", emulation)
 
     @property
     def num_pages(self) -> int:
-        if self.max_total_tokens is None:
-            raise ValueError(
-                "the KV pool is not sized: on CUDA give --max-total-tokens or size it from"
-                " free memory first (mpprefill.worker.build.size_kv_pool)"
-            )
-        return self.max_total_tokens // self.page_size
+        return self.pool_config().num_pages
 
     @property
     def num_swa_pages(self) -> int:
         """Pages of the SWA pool (used when the model has sliding-window layers)."""
-        return max(1, int(self.num_pages * self.swa_full_tokens_ratio))
+        return self.pool_config().num_swa_pages
+
+    def model_source(self) -> ModelSource:
+        return ModelSource(
+            self.model_path, self.dtype, self.sliding_window, self.swa_layers, self.random_seed
+        )
+
+    def pool_config(self) -> PoolConfig:
+        return PoolConfig(
+            page_size=self.page_size,
+            max_total_tokens=self.max_total_tokens,
+            swa_full_tokens_ratio=self.swa_full_tokens_ratio,
+            chunked_prefill_size=self.chunked_prefill_size,
+            disable_radix_cache=self.disable_radix_cache,
+            swa_free_out_of_window=self.swa_free_out_of_window,
+        )
+
+    def host_tier_config(self) -> HostTierConfig:
+        return HostTierConfig(
+            size=self.host_store_size,
+            page_size=self.page_size,
+            device=self.worker_device,
+            batched_writeback=not self.disable_batched_writeback,
+        )
+
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(
+            model=self.model_source(),
+            pools=self.pool_config(),
+            device=self.worker_device,
+            kv_cache_dtype=self.kv_cache_dtype,
+            attention_backend=self.attention_backend,
+            staging=self.staging,
+            tp_size=self.tp_size,
+            worker_threads=self.worker_threads,
+            switch_interval_ms=self.switch_interval_ms,
+            forward_timeout=self.forward_timeout,
+            max_running_requests=self.max_running_requests,
+            max_prefill_tokens=self.max_prefill_tokens,
+            context_length=self.context_length,
+            mem_fraction_static=self.mem_fraction_static,
+            trace_dir=self.trace_dir,
+            disable_gc_freeze=self.disable_gc_freeze,
+            log_level=self.log_level,
+        )
 
     @property
-    def resolved_forward_mode(self) -> str:
-        mode = resolve_forward_mode(self.forward_mode, self.disable_overlap_schedule)
-        check_dispatch(mode, self.disaggregation_mode, self.pp_size)
-        emulated = self.device == "emulated"  # one process models the group's device
-        if self.tp_size > 1 and not emulated and mode not in ("proc", "proc-ahead"):
-            raise ValueError(
-                f"--tp-size {self.tp_size} needs a forward process group: --forward-mode proc"
-                f" or proc-ahead, not {mode}"
-            )
-        return mode
+    def mode(self) -> ForwardMode:
+        """The forward mode's entry (`forward_mode` is its name, resolved at construction)."""
+        return MODES[self.forward_mode]
 
     def replace(self, **kw) -> ServerArgs:
         return dataclasses.replace(self, **kw)
@@ -455,46 +506,3 @@ def kv_pool_tokens(
             " raise it or give --max-total-tokens"
         )
     return tokens
-
-
-def resolve_forward_mode(
-    mode: str | None, disable_overlap: bool, env: dict[str, str] | None = None
-) -> str:
-    """--forward-mode wins; then --disable-overlap-schedule; then the env aliases.
-
-    SGLANG_ENABLE_PREFILL_FWD_THREAD=1 gives `thread`, plus
-    SGLANG_PREFILL_FWD_THREAD_AHEAD=1 `thread-ahead`; MPPREFILL_FORWARD_MODE names a
-    mode. With none of them: `proc-ahead`.
-    """
-    env = os.environ if env is None else env
-    if mode is not None:
-        if disable_overlap and mode != "normal":
-            raise ValueError(
-                f"--forward-mode {mode} needs the overlap schedule, "
-                "but --disable-overlap-schedule was given"
-            )
-        return mode
-    if disable_overlap:
-        return "normal"
-    named = env.get("MPPREFILL_FORWARD_MODE")
-    if named:
-        if named not in FORWARD_MODES:
-            raise ValueError(f"MPPREFILL_FORWARD_MODE={named!r}: one of {FORWARD_MODES}")
-        return named
-    if _truthy(env.get("SGLANG_ENABLE_PREFILL_FWD_THREAD")):
-        return "thread-ahead" if _truthy(env.get("SGLANG_PREFILL_FWD_THREAD_AHEAD")) else "thread"
-    return "proc-ahead"
-
-
-def check_dispatch(mode: str, role: str, pp_size: int) -> None:
-    """The off-thread loops exist for the prefill role, pipeline parallel 1, with overlap."""
-    if pp_size != 1:
-        raise ValueError(f"--pp-size {pp_size}: pipeline parallelism is not supported")
-    if mode not in ("normal", "overlap") and role != "prefill":
-        raise ValueError(
-            f"--forward-mode {mode} runs only with --disaggregation-mode prefill (got {role!r})"
-        )
-
-
-def _truthy(v: str | None) -> bool:
-    return (v or "").strip().lower() in ("1", "true", "yes", "on")

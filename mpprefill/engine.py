@@ -52,10 +52,10 @@ class PrefillEngine:
             chunked_prefill_size=chunked_prefill_size,
             **kwargs,
         )
-        self.mode = self.args.resolved_forward_mode
+        self.mode = self.args.mode
         self.worker, self.model_config = make_worker(self.args, self.mode)
         self.scheduler = Scheduler(self.args, self.model_config, self.worker, FakeTransfer())
-        self._loop = LOOPS[self.mode]
+        self._loop = LOOPS[self.mode.name]
         self._ids = itertools.count()
         self._closed = False
 

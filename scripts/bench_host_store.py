@@ -43,7 +43,7 @@ from mpprefill.memory.req_to_token import ReqToTokenPool
 from mpprefill.scheduling.host_tier import HostTier
 from mpprefill.scheduling.kv_pools import make_kv_pools
 from mpprefill.scheduling.req import Req
-from mpprefill.worker.build import emulated_host_link, worker_model_config
+from mpprefill.worker.build import worker_model_config
 
 CONFIGS = {
     "no host store": dict(host_store_size=0),
@@ -148,7 +148,7 @@ def end_to_end(args: argparse.Namespace, base: ServerArgs, model: str) -> dict:
             trials[name].append(run)
             print(f"[{model} {i + 1}/{args.repeats}] {name}: {summary(run)}", file=sys.stderr)
     rows = {name: medians(runs) for name, runs in trials.items()}
-    title = f"{base.device_label}, {model} model, {args.mode}"
+    title = f"{base.worker_device.label}, {model} model, {args.mode}"
     print(f"\n{title}, end to end (medians of {args.repeats})")
     head = f"{'configuration':34s} {'uncached ITPS':>13s} {'total ITPS':>11s}"
     print(f"{head} {'hit rate':>8s} {'P ms/batch':>10s} {'fwd bound':>10s} {'of bound':>8s}")
@@ -196,7 +196,7 @@ def staging_table(args: argparse.Namespace, base: ServerArgs) -> list[dict]:
             row[key] = {"plan_ms": plan, "copy_ms": copy}
         rows.append(row)
     kind = "SWA" if base.sliding_window else "dense"
-    title = f"{base.device_label}, {kind} model"
+    title = f"{base.worker_device.label}, {kind} model"
     print(f"\n{title}: staging of finishing requests' write-back, ms per batch (medians)")
     head = f"{'finishing reqs':>14s} {'batched plan':>12s} {'batched copy':>12s}"
     print(f"{head} {'per-req plan':>12s} {'per-req copy':>12s}")
@@ -216,12 +216,12 @@ def time_staging(
     need = num_reqs * (args.prompt_len + base.page_size) / base.swa_full_tokens_ratio
     pages = cdiv(int(need), base.page_size)
     base = base.replace(max_total_tokens=max(base.max_total_tokens, pages * base.page_size))
-    config = worker_model_config(base)
+    config = worker_model_config(base.worker_config())
     pool = ReqToTokenPool(num_reqs + 1, args.prompt_len + 1)
-    allocator, tree = make_kv_pools(base, config, pool)
+    allocator, tree = make_kv_pools(base.pool_config(), config, pool)
     kv = KVCache.for_model(config, allocator.size, num_swa_slots=allocator.swa_size or None)
     kv.storage.normal_()
-    store = HostKVStore(args.host_store_size, base.page_size, kv, emulated_host_link(base))
+    store = HostKVStore(args.host_store_size, base.page_size, kv, base.worker_device.host_link())
     tier = HostTier(store, tree, allocator, kv, batched)
     gen = torch.Generator().manual_seed(args.seed)
     plan_ms, copy_ms = [], []

@@ -154,7 +154,7 @@ def run_requests(eng: PrefillEngine, reqs: list[Req], max_batches: int | None = 
     for r in reqs:
         s.add_request(r)
     log = Iterations(s, max_batches)
-    LOOPS[eng.mode](s, log)
+    LOOPS[eng.mode.name](s, log)
     if s.reqs.live:
         drain(eng)
     return log
@@ -164,7 +164,7 @@ def drain(eng: PrefillEngine) -> None:
     s = eng.scheduler
     for r in list(s.reqs.waiting):  # in queue order: each abort finds its request first in line
         s.reqs.abort(r.rid, "bench: measured enough batches")
-    LOOPS[eng.mode](s, lambda: not s.reqs.live and s.forwards_in_flight == 0)
+    LOOPS[eng.mode.name](s, lambda: not s.reqs.live and s.forwards_in_flight == 0)
 
 
 # ---- steps ------------------------------------------------------------------------------

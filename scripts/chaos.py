@@ -12,7 +12,8 @@ importable.
 
 Faults, all seeded: aborts aimed at each stage (waiting, bootstrapping, mid-chunk,
 transfer), malformed and hostile frames, the decode receiver SIGKILLed and restarted,
-slow transfers (the decode's test-only `--test-transfer-delay-ms`), a burst that overfills
+slow transfers (the decode's test delay, injected by tests/slow_decode.py: run this from
+the repository root), a burst that overfills
 the small KV pool and the request queue, and near the end a SIGKILL of the forward process
 (of one rank, chosen by the seed, with --tp-size N).
 

@@ -86,9 +86,27 @@ def test_server_args_flags():
 
 
 def test_decode_args_flags():
-    argv = ["--port", "0", "--verify", "--sliding-window", "8", "--test-transfer-delay-ms", "5"]
+    argv = ["--port", "0", "--verify", "--sliding-window", "8"]
     args = from_namespace(DecodeArgs, parser(DecodeArgs).parse_args(argv))
     assert (args.port, args.verify, args.sliding_window) == (0, True, 8)
-    assert args.transfer_delay.seconds(4) == 0.005
-    with pytest.raises(ValueError, match="test-transfer-delay"):
-        DecodeArgs(test_transfer_delay_every=0)
+    with pytest.raises(SystemExit):  # a test hook, injected by tests/slow_decode.py
+        parser(DecodeArgs).parse_args(["--test-transfer-delay-ms", "5"])
+
+
+def test_the_slow_decode_launcher_injects_its_delay(monkeypatch):
+    from mpprefill.decode.delay import TransferDelay
+    from tests import slow_decode
+
+    got = {}
+
+    def run(ns, prog, delay):
+        got.update(args=from_namespace(DecodeArgs, ns), delay=delay)
+        return 0
+
+    monkeypatch.setattr(slow_decode, "run_decode", run)
+    argv = ["--delay-ms", "5", "--delay-every", "2", "--page-size", "32", "--log-level", "warning"]
+    assert slow_decode.main(argv) == 0
+    assert got["delay"] == TransferDelay(5.0, 2) and got["args"].page_size == 32
+    assert (got["delay"].seconds(4), got["delay"].seconds(3)) == (0.005, 0.0)
+    with pytest.raises(ValueError, match="every >= 1"):
+        TransferDelay(5.0, 0)

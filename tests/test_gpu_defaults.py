@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from mpprefill.commands import size_kv_pool
 from mpprefill.config import DEFAULT_MAX_TOTAL_TOKENS, ServerArgs, kv_pool_tokens, resolve_device
 from mpprefill.decode.args import DecodeArgs
-from mpprefill.worker.build import kv_bytes_per_token, size_kv_pool, worker_model_config
+from mpprefill.worker.build import kv_bytes_per_token, worker_model_config
 
 GiB = 2**30
 # The built-in model (ModelConfig.tiny, float32), counted by hand:
@@ -50,7 +51,9 @@ def test_server_args_resolve_auto_once_and_everything_sees_the_device():
 
     here = "cuda" if torch.cuda.is_available() else "cpu"
     args = ServerArgs()
-    assert args.device == here and args.device_label == here and args.torch_device == here
+    dev = args.worker_device
+    assert args.device == here and dev.label == here and dev.torch_device == here
+    assert not dev.emulated and dev.clock() is None and dev.host_link() is None
     assert args.replace(page_size=32).device == here
     assert ServerArgs(device="emulated").device == "emulated"  # only when asked
 
@@ -115,13 +118,13 @@ def test_the_pool_takes_what_the_fraction_leaves_of_free_memory():
 
 def test_bytes_per_token_follow_the_pool_dtype_the_swa_share_and_the_rank():
     args = ServerArgs(device="cuda")
-    assert kv_bytes_per_token(args, worker_model_config(args)) == TINY_KV_PER_TOKEN
+    assert _per_token(args) == TINY_KV_PER_TOKEN
     half = ServerArgs(device="cuda", kv_cache_dtype="bfloat16")
-    assert kv_bytes_per_token(half, worker_model_config(half)) == TINY_KV_PER_TOKEN // 2
+    assert _per_token(half) == TINY_KV_PER_TOKEN // 2
     # layers 0 and 2 slide, their pool 0.8 of the full one: 512 bytes a layer-token x
     # (2 + 2 x 0.8) = 1843.2, rounded up
     swa = ServerArgs(device="cuda", sliding_window=64, swa_layers="0,2")
-    assert kv_bytes_per_token(swa, worker_model_config(swa)) == 1844
+    assert _per_token(swa) == 1844
 
 
 def test_a_tensor_parallel_group_asks_every_rank_and_counts_one_rank():
@@ -164,3 +167,8 @@ def test_the_offline_engine_keeps_its_pool_default():
 
     with PrefillEngine(forward_mode="normal") as eng:
         assert eng.args.max_total_tokens == DEFAULT_MAX_TOTAL_TOKENS
+
+
+def _per_token(args: ServerArgs) -> int:
+    cfg = args.worker_config()
+    return kv_bytes_per_token(cfg, worker_model_config(cfg))

@@ -112,13 +112,20 @@ SERVE_SOCKET_FLAGS = ("--disable-http-front", "--zmq-port")
 
 
 def _start(
-    name: str, flags: list[str], log_dir: str, timeout: float, probe, port_flags: tuple[str, ...]
+    name: str,
+    flags: list[str],
+    log_dir: str,
+    timeout: float,
+    probe,
+    port_flags: tuple[str, ...],
+    launcher: list[str] | None = None,
 ) -> Child:
-    """Spawn `mpprefill name` with its socket on a free port, then call probe(client) until
-    it stops timing out."""
+    """Spawn `mpprefill name` (or `launcher`, a command taking its flags) with its socket
+    on a free port, then call probe(client) until it stops timing out."""
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}-{port}.log")
-    cmd = [sys.executable, "-m", "mpprefill", name, *flags, *port_flags, str(port)]
+    launcher = launcher or [sys.executable, "-m", "mpprefill", name]
+    cmd = [*launcher, *flags, *port_flags, str(port)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     child = Child(name, proc, port, log_path)
@@ -161,10 +168,13 @@ def _http_health(port: int) -> bool:
     raise TimeoutError(f"no HTTP front on port {port} yet")
 
 
-def start_decode(flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
-    """A decode receiver without its HTTP front; `Child.port` is its receiver socket."""
+def start_decode(
+    flags: list[str], log_dir: str, timeout: float = 120.0, launcher: list[str] | None = None
+) -> Child:
+    """A decode receiver without its HTTP front; `Child.port` is its receiver socket.
+    `launcher`: a command that serves `mpprefill decode`'s flags (a test's, with hooks)."""
     flags = ["--zmq-port", "0", *flags]  # its request socket, unused here: any free port
-    return _start("decode", flags, log_dir, timeout, _ping, ("--receiver-port",))
+    return _start("decode", flags, log_dir, timeout, _ping, ("--receiver-port",), launcher)
 
 
 def _ping(client: Client) -> None:

@@ -28,7 +28,7 @@ def forward_bound(shapes: list[tuple[list[int], list[int]]], args: ServerArgs) -
     if not shapes:
         raise ValueError("no batches to replay")
     set_torch_threads(args.worker_threads)
-    runner = build_runner(args, args.torch_device)
+    runner = build_runner(args.worker_config(), args.worker_device.torch_device)
     g = torch.Generator().manual_seed(0)
     vocab = runner.vocab_size
     batches = [_batch(p, e, runner.kv, vocab, g) for p, e in shapes]  # built untimed

@@ -69,7 +69,7 @@ class BenchConfig:
         flags = ["--forward-mode", mode, "--check-invariants", "--log-level", "warning"]
         flags += _values(a, *_SERVE_VALUES)
         flags += _switches(a, *_SERVE_SWITCHES)
-        if a.device == "emulated":
+        if a.worker_device.emulated:
             flags += _values(a, *_EMULATED_VALUES)
         if a.host_store_size:
             flags += ["--host-store-size", a.host_store_size]
@@ -82,7 +82,7 @@ class BenchConfig:
     def decode_flags(self) -> list[str]:
         a = self.server
         flags = ["--log-level", "warning", *_values(a, *_DECODE_VALUES)]
-        if a.device == "emulated":
+        if a.worker_device.emulated:
             flags += ["--emulate-model", a.emulate_model]
         if self.verify:
             flags.append("--verify")
@@ -121,7 +121,7 @@ def run_mode(
         server = start_server(flags, cfg.log_dir, http=front == "http")
         children.insert(0, server)
         run = _measure(cfg, mode, work, server, decode)
-        run["device"] = cfg.server.device_label
+        run["device"] = cfg.server.worker_device.label
         run["front"] = front
     finally:
         leaks = _shutdown(children)

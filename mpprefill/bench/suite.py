@@ -13,10 +13,9 @@ from mpprefill.bench.regime import of_bound, plot_sensitivity_maps, run_of
 from mpprefill.bench.replay import forward_bound, load_shapes
 from mpprefill.bench.runner import BenchConfig, run_mode
 from mpprefill.bench.workload import Workload, solve_for_hit_rate
-from mpprefill.config import FORWARD_MODES, ServerArgs
+from mpprefill.config import ServerArgs
 from mpprefill.flags import from_namespace
-
-THREAD_MODES = ("thread", "thread-ahead")
+from mpprefill.modes import FORWARD_MODES, MODES
 
 
 def server_args(args: argparse.Namespace, **overrides) -> ServerArgs:
@@ -208,6 +207,7 @@ def _config(args, server: ServerArgs, work: Workload, label: str) -> dict:
     return {
         "label": label,
         "server": dataclasses.asdict(server),
+        "emulated": server.worker_device.emulated,
         "workload": work.to_dict() | {"target_hit_rate": args.hit_rate},
         "num_requests": args.num_requests,
         "prompt_len": args.prompt_len,
@@ -219,7 +219,7 @@ def _config(args, server: ServerArgs, work: Workload, label: str) -> dict:
 
 def format_table(result: dict) -> str:
     runs, bound = result["runs"], result["forward_bound_itps"]
-    threads = [r["uncached_itps"] for r in runs if r["mode"] in THREAD_MODES]
+    threads = [r["uncached_itps"] for r in runs if MODES[r["mode"]].on_thread]
     best_thread = max(threads) if threads else None
     head = (
         f"{'mode':>12} {'uncached ITPS':>13} {'x thread':>8} {'x bound':>7} {'hit':>5} "
@@ -262,7 +262,7 @@ def format_table(result: dict) -> str:
 def _collective_lines(result: dict) -> list[str]:
     """Per mode, the collectives' share of device time (emulated tensor parallel only)."""
     server = result["config"]["server"]
-    if server["device"] != "emulated" or server["tp_size"] == 1:
+    if not result["config"].get("emulated") or server["tp_size"] == 1:
         return []
     return [
         f"TP {server['tp_size']} collectives, {r['mode']}: {r['collective_share']:.1%} of device "
@@ -327,7 +327,7 @@ EMULATED_POOL_TOKENS = 1 << 20
 
 def run_sweep(args: argparse.Namespace) -> dict:
     base = server_args(args)
-    if base.device == "emulated":
+    if base.worker_device.emulated:
         points = [_prepare(ns, server, label) for label, ns, server in _emulated_points(args, base)]
         results = _run_points(points, max(1, args.repeats))
     else:
@@ -338,7 +338,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
         ]
         results = [run_bench(ns, server, label=label) for label, ns, server in points]
     print(format_sweep(results))
-    if args.heatmap and base.device == "emulated":
+    if args.heatmap and base.worker_device.emulated:
         written = plot_sensitivity_maps(results, args.heatmap)
         print(f"sensitivity maps: {', '.join(written)}", file=sys.stderr)
     return {"points": results}

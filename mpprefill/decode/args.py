@@ -22,7 +22,6 @@ from mpprefill.config import (
     ServerArgs,
     secret_field,
 )
-from mpprefill.decode.delay import TransferDelay
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import DECODE_BACKENDS
 from mpprefill.flags import option
@@ -107,10 +106,6 @@ class DecodeArgs:
     max_queued_registrations: int = option(4096, "registrations waiting for pages beyond this fail")
     waiting_timeout: float = option(600.0, "seconds a room with pages may wait for all its KV")
     log_level: str = option("info", "logging level")
-    test_transfer_delay_ms: float = option(
-        0.0, "test only: hold each finished transfer's answer this long (see decode/delay.py)"
-    )
-    test_transfer_delay_every: int = option(1, "test only: delay rooms whose number is a multiple")
 
     def __post_init__(self):
         if self.device == "auto":  # NOTE: resolved once, here, as ServerArgs resolves it
@@ -141,7 +136,6 @@ class DecodeArgs:
             ports.check_range(listen)
         if self.verify and self.emulate_model is not None:
             raise ValueError("--verify cannot check KV from an emulated device (not the model's)")
-        self.transfer_delay  # noqa: B018 - validates the test delay
         if self.advertise_host is not None:
             _check_advertise_host(self.advertise_host)
 
@@ -186,11 +180,6 @@ class DecodeArgs:
         if self.host in WILDCARDS:
             return socket.gethostbyname(socket.gethostname())
         return self.host
-
-    @property
-    def transfer_delay(self) -> TransferDelay:
-        """The test delay the receiver is given (off unless --test-transfer-delay-ms)."""
-        return TransferDelay(self.test_transfer_delay_ms, self.test_transfer_delay_every)
 
 
 def _check_advertise_host(host: str) -> None:

@@ -11,6 +11,7 @@ import ipc
 from mpprefill import ports
 from mpprefill.decode import server
 from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.delay import TransferDelay
 from mpprefill.flags import add_flags, from_namespace
 
 
@@ -18,14 +19,16 @@ def add_decode_args(ap: argparse.ArgumentParser) -> None:
     add_flags(ap, DecodeArgs)
 
 
-def run_decode(ns: argparse.Namespace, prog: str = "mpprefill decode") -> int:
-    """Serve until SIGINT/SIGTERM, then clean up."""
+def run_decode(
+    ns: argparse.Namespace, prog: str = "mpprefill decode", delay: TransferDelay | None = None
+) -> int:
+    """Serve until SIGINT/SIGTERM, then clean up. `delay`: a test hook (decode/delay.py)."""
     try:
         args = from_namespace(DecodeArgs, ns)
     except ValueError as e:
         raise SystemExit(f"{prog}: {e}") from None
     try:
-        srv = server.DecodeServer(args)
+        srv = server.DecodeServer(args, delay)
     except ports.PortUnavailable as e:
         return ports.report(e, prog)
     if threading.current_thread() is threading.main_thread():

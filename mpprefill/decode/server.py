@@ -34,6 +34,7 @@ import zmq
 
 from mpprefill import ports, protocol
 from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.delay import TransferDelay
 from mpprefill.decode.generate import Generator
 from mpprefill.decode.prefill_links import PrefillLinks
 from mpprefill.decode.receiver import DecodeReceiver, Room
@@ -95,14 +96,15 @@ def eos_token_ids(model_path: str | None) -> tuple[int, ...]:
 
 
 class DecodeServer:
-    def __init__(self, args: DecodeArgs) -> None:
+    def __init__(self, args: DecodeArgs, delay: TransferDelay | None = None) -> None:
+        """`delay` (a test hook): hold finished rooms' answers a while (decode/delay.py)."""
         self.args = args
         # NOTE: the ports first: one that cannot be had fails here, before the model loads.
         ports.check_free(args.binds)
         self.front: HttpFrontProcess | None = None
         self.model = None if args.emulate_model is not None else load_decode_model(args)
         with ports.binding(args.host, args.receiver_listen):
-            self.rx = DecodeReceiver(args, delay=args.transfer_delay, model=self.model)
+            self.rx = DecodeReceiver(args, delay=delay, model=self.model)
         self.generator = None
         if self.model is not None:
             self.generator = Generator(

@@ -53,7 +53,7 @@ from mpprefill.emulation.roofline import (
 )
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import CausalLM, ForwardBatch, ModelConfig, build_model
-from mpprefill.worker.device import HostStream
+from mpprefill.streams import HostStream
 
 logger = logging.getLogger(__name__)
 # New tokens per request the host computes. One, so that a request's first token does not

@@ -6,18 +6,15 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from mpprefill.layer_configs import ModelSource
 from mpprefill.model.config import ModelConfig, resolve_dtypes
 from mpprefill.model.decoder import CausalLM
 from mpprefill.model.families import build_model, config_from_hf, family
 from mpprefill.model.parallel import ShardEntry, TPRank
 from mpprefill.model.swa import with_sliding_window
-
-if TYPE_CHECKING:
-    from mpprefill.config import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +58,10 @@ def load_model(
     return model
 
 
-def config_from_args(args: ServerArgs) -> ModelConfig:
-    """The config the server's flags name, sliding-window flags and --dtype applied, without
+def source_config(src: ModelSource) -> ModelConfig:
+    """The config `src` names, sliding-window overrides and dtype applied, without
     weights."""
-    return _config(args.model_path, args.sliding_window, args.swa_layers, args.dtype)
+    return _config(src.model_path, src.sliding_window, src.swa_layers, src.dtype)
 
 
 def _config(
@@ -75,18 +72,18 @@ def _config(
     return with_sliding_window(dataclasses.replace(base, dtype=served), sliding_window, swa_layers)
 
 
-def model_from_args(
-    args: ServerArgs, device: torch.device | str, tp: TPRank | None = None
+def source_model(
+    src: ModelSource, device: torch.device | str, tp: TPRank | None = None
 ) -> CausalLM:
-    """The model the server's flags name, on `device` (this rank's shard with `tp`)."""
+    """The model `src` names, on `device` (this rank's shard with `tp`)."""
     return load_model(
-        args.model_path,
+        src.model_path,
         device=device,
-        seed=args.random_seed,
-        sliding_window=args.sliding_window,
-        swa_layers=args.swa_layers,
+        seed=src.random_seed,
+        sliding_window=src.sliding_window,
+        swa_layers=src.swa_layers,
         tp=tp,
-        dtype=args.dtype,
+        dtype=src.dtype,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mpprefill.config import SWA_PATTERN_HELP
+from mpprefill.layer_configs import SWA_PATTERN_HELP
 from mpprefill.model.config import ModelConfig
 
 

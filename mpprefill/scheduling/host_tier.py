@@ -45,28 +45,26 @@ from mpprefill.memory.radix_cache import MatchResult, RadixCache, TreeNode
 from mpprefill.scheduling.kv_pools import reclaim
 from mpprefill.scheduling.metrics import SchedulerMetrics
 from mpprefill.scheduling.req import Req
-from mpprefill.worker.build import emulated_host_link
 
 if TYPE_CHECKING:
-    from mpprefill.config import ServerArgs
+    from mpprefill.layer_configs import HostTierConfig
     from mpprefill.worker.api import ForwardInput, Worker
     from mpprefill.worker.fence import KVWriteFence
 
 
 def make_host_tier(
-    args: ServerArgs,
+    cfg: HostTierConfig,
     tree: RadixCache,
     allocator: PagedTokenAllocator,
     worker: Worker,
     metrics: SchedulerMetrics,
 ) -> HostTier | None:
     """The host tier --host-store-size asks for, over the worker's KV pool; None when 0."""
-    if args.host_store_size <= 0:
+    if cfg.size <= 0:
         return None
     kv = worker.kv_cache
-    store = HostKVStore(args.host_store_size, args.page_size, kv, emulated_host_link(args))
-    batched = not args.disable_batched_writeback
-    return HostTier(store, tree, allocator, kv, batched, metrics, worker.kv_fence)
+    store = HostKVStore(cfg.size, cfg.page_size, kv, cfg.device.host_link())
+    return HostTier(store, tree, allocator, kv, cfg.batched_writeback, metrics, worker.kv_fence)
 
 
 class WritebackPlan(NamedTuple):

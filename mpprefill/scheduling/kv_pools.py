@@ -7,7 +7,7 @@ smaller SWA pool (`SwaPagedAllocator`) and the cache tracks the two holdings apa
 
 from __future__ import annotations
 
-from mpprefill.config import ServerArgs
+from mpprefill.layer_configs import PoolConfig
 from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.radix_cache import RadixCache
 from mpprefill.memory.req_to_token import ReqToTokenPool
@@ -15,38 +15,40 @@ from mpprefill.model import ForwardBatch, ModelConfig
 
 
 def make_kv_pools(
-    args: ServerArgs, config: ModelConfig, req_pool: ReqToTokenPool
+    pools: PoolConfig, config: ModelConfig, req_pool: ReqToTokenPool
 ) -> tuple[PagedTokenAllocator, RadixCache]:
     if not config.has_sliding_layers:
-        allocator = PagedTokenAllocator(args.num_pages, args.page_size)
-        return allocator, RadixCache(req_pool, allocator, args.page_size, args.disable_radix_cache)
+        allocator = PagedTokenAllocator(pools.num_pages, pools.page_size)
+        return allocator, RadixCache(
+            req_pool, allocator, pools.page_size, pools.disable_radix_cache
+        )
     from mpprefill.memory.swa_allocator import SwaPagedAllocator
     from mpprefill.memory.swa_radix_cache import SwaRadixCache
 
-    check_swa_args(args, config)
-    allocator = SwaPagedAllocator(args.num_pages, args.page_size, args.num_swa_pages)
+    check_swa_args(pools, config)
+    allocator = SwaPagedAllocator(pools.num_pages, pools.page_size, pools.num_swa_pages)
     tree = SwaRadixCache(
         req_pool,
         allocator,
-        args.page_size,
+        pools.page_size,
         config.sliding_window,
-        disable=args.disable_radix_cache,
-        free_out_of_window=args.swa_free_out_of_window,
+        disable=pools.disable_radix_cache,
+        free_out_of_window=pools.swa_free_out_of_window,
     )
     return allocator, tree
 
 
-def check_swa_args(args: ServerArgs, config: ModelConfig) -> None:
+def check_swa_args(pools: PoolConfig, config: ModelConfig) -> None:
     """Refuse, at start-up, settings under which a sliding-window model cannot run."""
-    ps, window = args.page_size, config.sliding_window
-    chunk = args.chunked_prefill_size
+    ps, window = pools.page_size, config.sliding_window
+    chunk = pools.chunked_prefill_size
     if chunk != -1:
         # a chunk's pages plus the window it attends to, a partial page each side, and the
         # page a finished prompt keeps beyond its window (SwaRadixCache)
         need = cdiv(chunk, ps) + cdiv(window, ps) + 3
-        if need > args.num_swa_pages:
+        if need > pools.num_swa_pages:
             raise ValueError(
-                f"the SWA pool ({args.num_swa_pages} pages of {ps}) cannot hold a chunk of "
+                f"the SWA pool ({pools.num_swa_pages} pages of {ps}) cannot hold a chunk of "
                 f"{chunk} tokens and a window of {window} ({need} pages); raise "
                 "--swa-full-tokens-ratio or --max-total-tokens"
             )

@@ -69,7 +69,7 @@ class Scheduler:
         self.context_len = args.context_len(model_config.max_position_embeddings)
         rows = max(2 * args.max_running_requests, 64)
         self.req_pool = ReqToTokenPool(rows, self.context_len)
-        self.allocator, self.tree = make_kv_pools(args, model_config, self.req_pool)
+        self.allocator, self.tree = make_kv_pools(args.pool_config(), model_config, self.req_pool)
         self.worker = worker
         self.transfer = transfer
         self.batch_seq = 0
@@ -79,7 +79,9 @@ class Scheduler:
         self.reqs = Lifecycle(
             self.tree, self.allocator, self.req_pool, self.metrics, on_finish or (lambda r: None)
         )
-        self.host_tier = make_host_tier(args, self.tree, self.allocator, worker, self.metrics)
+        self.host_tier = make_host_tier(
+            args.host_tier_config(), self.tree, self.allocator, worker, self.metrics
+        )
         self.recv_requests = recv_requests or list
         self.wait_for_requests = wait_for_requests
 

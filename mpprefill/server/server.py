@@ -43,7 +43,7 @@ DROP_LOG_EVERY = 1000  # past the first few, one log line per this many drops or
 
 class PrefillServer:
     def __init__(self, args: ServerArgs):
-        self.args, self.mode = args, args.resolved_forward_mode
+        self.args, self.mode = args, args.mode
         self._stop = False
         self.worker = None
         self.front: HttpFrontProcess | None = None
@@ -89,7 +89,7 @@ class PrefillServer:
         self._closing_code = Code.UNAVAILABLE
         self.exit_code = 0
         self.gc = GcWatch().install()
-        forward_pid = self.worker.pid if self.mode in ("proc", "proc-ahead") else None
+        forward_pid = self.worker.pid if self.mode.in_process else None
         self.profiler = RuntimeProfiler(forward_pid)
         if args.http_listen is not None:
             self._start_front()
@@ -274,7 +274,7 @@ class PrefillServer:
     def stats(self) -> dict:
         args = self.args
         out = {
-            "forward_mode": self.mode,
+            "forward_mode": self.mode.name,
             "disaggregation_mode": args.disaggregation_mode,
             "tp_size": args.tp_size,
             "max_total_num_tokens": self.scheduler.allocator.size,
@@ -293,14 +293,14 @@ class PrefillServer:
             "prefill server on %s:%d (ZeroMQ), forward mode %s, transfer %s",
             self.args.zmq_host,
             self.args.zmq_listen.port,
-            self.mode,
+            self.mode.name,
             self.transfer.name,
         )
         if not self.args.disable_gc_freeze:
             logger.info("froze %d objects of the started heap", freeze_heap())
         reason = "server shutting down"
         try:
-            LOOPS[self.mode](self.scheduler, lambda: self._stop)
+            LOOPS[self.mode.name](self.scheduler, lambda: self._stop)
         except WorkerDied as e:
             logger.error("forward worker failed: %s", e)
             reason, self.exit_code = f"worker failure: {e}", 1

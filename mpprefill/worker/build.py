@@ -1,4 +1,4 @@
-"""Model, KV pool and runner for the worker's side, from the server's args."""
+"""Model, KV pool and runner for the worker's side, from its config (`WorkerConfig`)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mpprefill.config import ServerArgs, kv_pool_tokens
-from mpprefill.emulation.device import EmulatedDevice, EmulatedHostLink, host_config, host_model
-from mpprefill.emulation.roofline import EMULATED_DTYPE, ModelShape, resolve_shape
+from mpprefill.config import kv_pool_tokens
+from mpprefill.emulation.device import host_config, host_model
+from mpprefill.layer_configs import WorkerConfig
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import CausalLM, ModelConfig
 from mpprefill.model.config import resolve_dtypes
 from mpprefill.model.families import build_model
-from mpprefill.model.loader import config_from_args, model_from_args
+from mpprefill.model.loader import source_config, source_model
 from mpprefill.model.parallel import TPRank, shard_config
 from mpprefill.worker.device import device_memory
 from mpprefill.worker.runner import ForwardRunner
@@ -26,29 +26,18 @@ logger = logging.getLogger(__name__)
 _PER_TOKEN_PROBE = 1 << 20  # tokens of the pool whose bytes give the bytes per token
 
 
-def swa_slots(args: ServerArgs) -> int:
-    """Slots of the SWA pool (for models with sliding-window layers)."""
-    return args.num_swa_pages * args.page_size
-
-
-def num_kv_slots(args: ServerArgs) -> int:
-    return args.num_pages * args.page_size
-
-
-def size_kv_pool(
-    args: ServerArgs, memory: Callable[[Sequence[str]], tuple[int, int]] = device_memory
-) -> ServerArgs:
-    """`args` with its KV pool sized: --max-total-tokens as given (or the CPU's default),
-    else, on CUDA, what --mem-fraction-static leaves of the devices' free memory once one
-    rank's weights are counted. `memory(devices)`: (free, total) bytes of the tightest."""
-    if args.max_total_tokens is not None:
-        return args
-    free, total = memory(rank_devices(args))
-    config = worker_model_config(args)
-    tp = TPRank(0, args.tp_size) if args.tp_size > 1 else None
-    weights, per_token = weight_bytes(config, tp), kv_bytes_per_token(args, config, tp)
-    frac = args.mem_fraction_static
-    tokens = kv_pool_tokens(free, total, weights, per_token, frac, args.page_size)
+def pool_tokens(
+    cfg: WorkerConfig, memory: Callable[[Sequence[str]], tuple[int, int]] = device_memory
+) -> int:
+    """Tokens of the KV pool on CUDA: what --mem-fraction-static leaves of the devices'
+    free memory once one rank's weights are counted. `memory(devices)`: (free, total)
+    bytes of the tightest."""
+    free, total = memory(rank_devices(cfg))
+    config = worker_model_config(cfg)
+    tp = TPRank(0, cfg.tp_size) if cfg.tp_size > 1 else None
+    weights, per_token = weight_bytes(config, tp), kv_bytes_per_token(cfg, config, tp)
+    frac = cfg.mem_fraction_static
+    tokens = kv_pool_tokens(free, total, weights, per_token, frac, cfg.pools.page_size)
     logger.info(
         "KV pool: %d tokens (%.2f GiB) from --mem-fraction-static %.2f of %.2f GiB (%.2f GiB"
         " free, weights %.2f GiB)",
@@ -59,14 +48,14 @@ def size_kv_pool(
         free / 2**30,
         weights / 2**30,
     )
-    return args.replace(max_total_tokens=tokens)
+    return tokens
 
 
-def rank_devices(args: ServerArgs) -> list[str]:
+def rank_devices(cfg: WorkerConfig) -> list[str]:
     """The CUDA devices the forward processes use: rank r on cuda:r in a group."""
-    if args.tp_size > 1:
-        return [f"cuda:{r}" for r in range(args.tp_size)]
-    return [args.torch_device]
+    if cfg.tp_size > 1:
+        return [f"cuda:{r}" for r in range(cfg.tp_size)]
+    return [cfg.device.torch_device]
 
 
 def weight_bytes(config: ModelConfig, tp: TPRank | None = None) -> int:
@@ -77,103 +66,76 @@ def weight_bytes(config: ModelConfig, tp: TPRank | None = None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def kv_bytes_per_token(args: ServerArgs, config: ModelConfig, tp: TPRank | None = None) -> int:
+def kv_bytes_per_token(cfg: WorkerConfig, config: ModelConfig, tp: TPRank | None = None) -> int:
     """Bytes of the KV pool per token of --max-total-tokens (one rank's KV heads with
     `tp`), the SWA pool's share included for sliding-window models."""
     kv_cfg = config if tp is None else shard_config(config, tp)
-    probe = args.replace(max_total_tokens=_PER_TOKEN_PROBE)
-    shape = KVCache.model_storage_shape(kv_cfg, num_kv_slots(probe), swa_slots(probe))
-    itemsize = kv_dtype(args, kv_cfg).itemsize
+    probe = dataclasses.replace(cfg.pools, max_total_tokens=_PER_TOKEN_PROBE)
+    shape = KVCache.model_storage_shape(kv_cfg, probe.num_kv_slots, probe.num_swa_slots)
+    itemsize = kv_dtype(cfg, kv_cfg).itemsize
     return math.ceil(math.prod(shape) * itemsize / _PER_TOKEN_PROBE)
 
 
-def group_size(args: ServerArgs) -> int:
-    """Forward processes of the worker: one per tensor-parallel rank, but one in all for
-    the emulated device, whose clock charges one rank's time of the whole group (the ranks
-    run the same host path in lockstep)."""
-    return 1 if args.device == "emulated" else args.tp_size
-
-
-def forward_threads(args: ServerArgs) -> int:
+def forward_threads(cfg: WorkerConfig) -> int:
     """Torch threads of one forward process: `--worker-threads`, else every core, or a
     CPU rank of a group its share of them."""
-    if args.worker_threads > 0:
-        return args.worker_threads
-    return max(1, (os.cpu_count() or 1) // group_size(args))
+    if cfg.worker_threads > 0:
+        return cfg.worker_threads
+    return max(1, (os.cpu_count() or 1) // cfg.group_size)
 
 
-def scheduler_threads(args: ServerArgs) -> int:
+def scheduler_threads(cfg: WorkerConfig) -> int:
     """Torch threads of the scheduler process while forward processes run: the cores they
     leave, at least one. Its tensor work is small (staging writes, page gathers), and a
     thread pool that spans a core a forward process keeps busy makes each parallel op
     wait for a thread that is not running (a slot write of 60k indices took 2-8 ms
     instead of 0.1)."""
-    return max(1, (os.cpu_count() or 1) - group_size(args) * forward_threads(args))
+    return max(1, (os.cpu_count() or 1) - cfg.group_size * forward_threads(cfg))
 
 
-def kv_dtype(args: ServerArgs, config: ModelConfig) -> torch.dtype:
+def kv_dtype(cfg: WorkerConfig, config: ModelConfig) -> torch.dtype:
     """The KV pool's dtype: --kv-cache-dtype, auto: the model's (`config`: the worker's,
-    `worker_model_config(args)`, or a rank's shard of it). Every process that makes or
+    `worker_model_config(cfg)`, or a rank's shard of it). Every process that makes or
     opens the pool asks here."""
-    return resolve_dtypes(args.dtype, args.kv_cache_dtype, config.dtype).kv_torch
+    return resolve_dtypes(cfg.model.dtype, cfg.kv_cache_dtype, config.dtype).kv_torch
 
 
-def worker_model_config(args: ServerArgs) -> ModelConfig:
+def worker_model_config(cfg: WorkerConfig) -> ModelConfig:
     """The config of the model the worker runs, in its served dtype (for an emulated
     device, the small-width stand-in with the emulated model's layer count, in the dtype
     --dtype resolves to for --model-path)."""
-    if args.device == "emulated":
-        return host_config(config_from_args(args), args.emulate_model)
-    return config_from_args(args)
+    emulation = cfg.device.emulation
+    if emulation is not None:
+        return host_config(source_config(cfg.model), emulation.model)
+    return source_config(cfg.model)
 
 
 def worker_model(
-    args: ServerArgs, config: ModelConfig, device: str, tp: TPRank | None = None
+    cfg: WorkerConfig, config: ModelConfig, device: str, tp: TPRank | None = None
 ) -> CausalLM:
-    """The model of `worker_model_config(args)` (`config`), on `device`; with `tp`, this
+    """The model of `worker_model_config(cfg)` (`config`), on `device`; with `tp`, this
     rank's shard of it."""
-    if args.device == "emulated":
-        return host_model(config, args.random_seed)
-    return model_from_args(args, device, tp)
-
-
-def emulated_shape(args: ServerArgs) -> ModelShape:
-    """--emulate-model's shape, its bytes per element those of --dtype and --kv-cache-dtype;
-    `auto` is the emulated model's own dtype (EMULATED_DTYPE), not the host stand-in's."""
-    dtypes = resolve_dtypes(args.dtype, args.kv_cache_dtype, EMULATED_DTYPE)
-    model_bytes, kv_bytes = dtypes.itemsizes
-    shape = resolve_shape(args.emulate_model)
-    return dataclasses.replace(shape, dtype_bytes=model_bytes, kv_dtype_bytes=kv_bytes)
-
-
-def emulated_device(args: ServerArgs) -> EmulatedDevice | None:
-    """The accelerator's clock for --device emulated, else None."""
-    if args.device != "emulated":
-        return None
-    shape, gpu, tp = emulated_shape(args), args.emulate_gpu, args.tp_size
-    return EmulatedDevice(shape, gpu, tp, args.emulate_launch_us, args.emulate_issue)
-
-
-def emulated_host_link(args: ServerArgs) -> EmulatedHostLink | None:
-    """The host link the host KV tier's copies take on --device emulated, else None."""
-    if args.device != "emulated":
-        return None
-    return EmulatedHostLink(emulated_shape(args), args.emulate_gpu, args.tp_size)
+    if cfg.device.emulated:
+        return host_model(config, cfg.model.random_seed)
+    return source_model(cfg.model, device, tp)
 
 
 def build_runner(
-    args: ServerArgs,
+    cfg: WorkerConfig,
     device: str,
     kv_buffer: torch.Tensor | None = None,
     config: ModelConfig | None = None,
     tp: TPRank | None = None,
 ) -> ForwardRunner:
     """Model and KV pool on `device`; the KV pool may live in a given (shared) buffer.
-    `config`: `worker_model_config(args)` where the caller has it already. With `tp`, the
+    `config`: `worker_model_config(cfg)` where the caller has it already. With `tp`, the
     rank's shard of the model and its KV heads' pool."""
-    model = worker_model(args, config or worker_model_config(args), device, tp)
-    model.set_attention_backend(args.attention_backend)
-    cfg = model.kv_config
-    dtype = kv_dtype(args, cfg)
-    kv = KVCache.for_model(cfg, num_kv_slots(args), device, kv_buffer, swa_slots(args), dtype)
-    return ForwardRunner(model, kv, emulated_device(args))
+    model = worker_model(cfg, config or worker_model_config(cfg), device, tp)
+    model.set_attention_backend(cfg.attention_backend)
+    kv_cfg = model.kv_config
+    dtype = kv_dtype(cfg, kv_cfg)
+    pools = cfg.pools
+    kv = KVCache.for_model(
+        kv_cfg, pools.num_kv_slots, device, kv_buffer, pools.num_swa_slots, dtype
+    )
+    return ForwardRunner(model, kv, cfg.device.clock())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mpprefill.config import ServerArgs
 from mpprefill.model import ModelConfig
+from mpprefill.modes import ForwardMode
 from mpprefill.worker.api import Worker
 from mpprefill.worker.build import build_runner, scheduler_threads
 from mpprefill.worker.hooks import DeviceHooks
@@ -12,14 +13,15 @@ from mpprefill.worker.process import ProcessWorker
 from mpprefill.worker.runner import set_torch_threads
 
 
-def make_worker(args: ServerArgs, mode: str) -> tuple[Worker, ModelConfig]:
-    if mode in ("proc", "proc-ahead"):
-        set_torch_threads(scheduler_threads(args))
-        worker = ProcessWorker(args)
+def make_worker(args: ServerArgs, mode: ForwardMode) -> tuple[Worker, ModelConfig]:
+    cfg = args.worker_config()
+    if mode.in_process:
+        set_torch_threads(scheduler_threads(cfg))
+        worker = ProcessWorker(cfg)
         return worker, worker.model_config
-    set_torch_threads(args.worker_threads)
-    runner = build_runner(args, args.torch_device)
+    set_torch_threads(cfg.worker_threads)
+    runner = build_runner(cfg, cfg.device.torch_device)
     DeviceHooks.from_env().guard(runner)
-    if mode in ("normal", "overlap"):
+    if mode.inline:
         return InlineWorker(runner), runner.model.config
     return ThreadWorker(runner, args.page_size), runner.model.config

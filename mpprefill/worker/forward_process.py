@@ -29,14 +29,15 @@ import torch
 import torch.distributed as dist
 
 import ipc
-from mpprefill.config import ServerArgs
 from mpprefill.emulation.device import EmulatedStream
+from mpprefill.layer_configs import WorkerConfig
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig
 from mpprefill.model.parallel import TPRank, init_tp_group, shard_config, tp_backend
 from mpprefill.sampling.info import SamplingBatchInfo
 from mpprefill.sampling.logprobs import Logprobs
 from mpprefill.sampling.params import MAX_TOP_LOGPROBS
+from mpprefill.streams import HostStream
 from mpprefill.trace.gc import GcWatch, freeze_heap
 from mpprefill.trace.tracer import Tracer, get_tracer, set_tracer
 from mpprefill.worker import profile_control
@@ -45,11 +46,9 @@ from mpprefill.worker.build import (
     build_runner,
     forward_threads,
     kv_dtype,
-    num_kv_slots,
-    swa_slots,
     worker_model_config,
 )
-from mpprefill.worker.device import DevicePlan, HostStream
+from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.events import WorkerOrder, forward_gen, make_events, sample_gen
 from mpprefill.worker.hooks import DeviceHooks, LateReads
 from mpprefill.worker.mailboxes import Inbox, Outbox
@@ -68,7 +67,7 @@ class WorkerSetup:
     NOTE: handles travel as plain dicts: frozen slots dataclasses do not unpickle on 3.10.
     """
 
-    args: dict
+    config: WorkerConfig
     plan: DevicePlan
     prefix: str
     events: dict  # handle of the int64 generation table
@@ -76,14 +75,16 @@ class WorkerSetup:
     slots: list[dict[str, dict]]  # handles of both staging slots' fields
     max_reqs: int
     hooks: DeviceHooks
-    tp_rank: int = 0  # this process's tensor-parallel rank (of args["tp_size"])
+    tp_rank: int = 0  # this process's tensor-parallel rank (of config.tp_size)
     tp_store: tuple[str, int] | None = None  # the group's rendezvous (tp_size > 1)
 
     @classmethod
-    def of(cls, args: dict, plan, prefix, events, cuda_events, slots, max_reqs, hooks, **tp):
+    def of(
+        cls, config: WorkerConfig, plan, prefix, events, cuda_events, slots, max_reqs, hooks, **tp
+    ):
         slot_dicts = [{k: h.to_dict() for k, h in s.items()} for s in slots]
         events = events.to_dict()
-        return cls(args, plan, prefix, events, cuda_events, slot_dicts, max_reqs, hooks, **tp)
+        return cls(config, plan, prefix, events, cuda_events, slot_dicts, max_reqs, hooks, **tp)
 
     def slot_handles(self) -> list[dict[str, ipc.TensorHandle]]:
         return [{k: ipc.TensorHandle.from_dict(d) for k, d in s.items()} for s in self.slots]
@@ -234,7 +235,7 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
     """`endpoints`: the scheduler's request channel and its reply channel."""
     name = "worker" if setup.tp_store is None else f"worker{setup.tp_rank}"
     logging.basicConfig(
-        level=setup.args.get("log_level", "info").upper(),
+        level=setup.config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s {name}: %(message)s",
     )
     # NOTE: Ctrl-C reaches the whole process group; the scheduler owns shutdown and stops
@@ -246,10 +247,10 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
     if not ipc.die_with_parent(parent, signal.SIGTERM):
         logger.warning("scheduler went away before the forward process started")
         sys.exit(1)
-    args = ServerArgs(**setup.args)
-    set_torch_threads(forward_threads(args))
-    sys.setswitchinterval(args.switch_interval_ms / 1e3)  # as in the scheduler's process
-    if args.trace_dir:
+    cfg = setup.config
+    set_torch_threads(forward_threads(cfg))
+    sys.setswitchinterval(cfg.switch_interval_ms / 1e3)  # as in the scheduler's process
+    if cfg.trace_dir:
         set_tracer(Tracer("worker", enabled=True))
     profile_control.serve_control()  # /start_profile and /stop_profile reach this process there
     requests = ipc.Channel(endpoints[0], bind=False, peer_pid=parent, peer_is_parent=True)
@@ -258,8 +259,8 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
     outbox = None
     code = 0
     try:
-        loop, ready, _owned = _setup(args, setup, parent)
-        if not args.disable_gc_freeze:
+        loop, ready, _owned = _setup(cfg, setup, parent)
+        if not cfg.disable_gc_freeze:
             freeze_heap()
         replies.put(ready, timeout=60)
         outbox = Outbox(replies)
@@ -280,20 +281,20 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
         watch.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
-        if args.trace_dir:
-            os.makedirs(args.trace_dir, exist_ok=True)
-            get_tracer().dump(args.trace_dir)
+        if cfg.trace_dir:
+            os.makedirs(cfg.trace_dir, exist_ok=True)
+            get_tracer().dump(cfg.trace_dir)
         ipc.unlink_owned()
         replies.close(linger_s=1.0)
         requests.close()
     sys.exit(code)
 
 
-def _setup(args: ServerArgs, setup: WorkerSetup, parent: int):
+def _setup(settings: WorkerConfig, setup: WorkerSetup, parent: int):
     """The loop, the Ready message, and the shared buffers this process owns."""
     plan = setup.plan
-    tp = _join_group(args, setup, plan)
-    runner, kv_shared = _runner(args, plan, setup.prefix, tp)
+    tp = _join_group(settings, setup, plan)
+    runner, kv_shared = _runner(settings, plan, setup.prefix, tp)
     setup.hooks.guard(runner)
     cfg: ModelConfig = runner.model.config
     result, views = None, None
@@ -319,27 +320,29 @@ def _setup(args: ServerArgs, setup: WorkerSetup, parent: int):
     return loop, ready, (kv_shared, result, pinned)
 
 
-def _join_group(args: ServerArgs, setup: WorkerSetup, plan: DevicePlan) -> TPRank | None:
+def _join_group(settings: WorkerConfig, setup: WorkerSetup, plan: DevicePlan) -> TPRank | None:
     """This rank's place in its tensor-parallel group (on a GPU, device `rank`)."""
     if setup.tp_store is None:
         return None
     if plan.device == "cuda":
         torch.cuda.set_device(setup.tp_rank)
     backend = tp_backend(plan.device)
-    return init_tp_group(setup.tp_rank, args.tp_size, setup.tp_store, backend, args.forward_timeout)
+    return init_tp_group(
+        setup.tp_rank, settings.tp_size, setup.tp_store, backend, settings.forward_timeout
+    )
 
 
-def _runner(args: ServerArgs, plan: DevicePlan, prefix: str, tp: TPRank | None = None):
+def _runner(settings: WorkerConfig, plan: DevicePlan, prefix: str, tp: TPRank | None = None):
     """The runner, its KV pool (this rank's KV heads) in a shared segment this process owns."""
-    cfg = worker_model_config(args)
+    cfg = worker_model_config(settings)
     kv_cfg = cfg if tp is None else shard_config(cfg, tp)
-    num_slots = num_kv_slots(args)
-    shape = KVCache.model_storage_shape(kv_cfg, num_slots, swa_slots(args))
+    pools = settings.pools
+    shape = KVCache.model_storage_shape(kv_cfg, pools.num_kv_slots, pools.num_swa_slots)
     # NOTE: populated, as torch.zeros touches an in-process pool: first-touch faults would
     # otherwise land in the forwards (18% of uncached ITPS at 0.5B/8,192 emulated)
-    dtype = kv_dtype(args, kv_cfg)
+    dtype = kv_dtype(settings, kv_cfg)
     kv_shared = ipc.SharedTensor.create(shape, dtype, prefix, plan.device, populate=True)
-    return build_runner(args, plan.device, kv_shared.tensor, cfg, tp), kv_shared
+    return build_runner(settings, plan.device, kv_shared.tensor, cfg, tp), kv_shared
 
 
 def _stream(runner: ForwardRunner, plan: DevicePlan, hooks: DeviceHooks) -> HostStream:

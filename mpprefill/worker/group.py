@@ -16,7 +16,6 @@ finished the forward, KV once every rank wrote it. Rank 0 writes the results.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import multiprocessing as mp
 import os
 import select
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import ipc
-from mpprefill.config import ServerArgs
+from mpprefill.layer_configs import WorkerConfig
 from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.events import NUM_EVENTS, SchedulerOrder, make_events
 from mpprefill.worker.forward_process import WorkerSetup, worker_main
@@ -39,7 +38,7 @@ class RankLink:
 
     def __init__(
         self,
-        args: ServerArgs,
+        cfg: WorkerConfig,
         plan: DevicePlan,
         prefix: str,
         slots: list[dict[str, ipc.TensorHandle]],
@@ -60,13 +59,13 @@ class RankLink:
         self.replies = ipc.Channel(ipc.ipc_endpoint(f"{tag}-rep"), bind=True)
         undo.callback(drop_channel, self.replies)
         setup = WorkerSetup.of(
-            dataclasses.asdict(args),
+            cfg,
             plan,
             prefix,
             self.events_st.handle,
             cuda_events or None,
             slots,
-            args.max_running_requests,
+            cfg.max_running_requests,
             hooks,
             tp_rank=rank,
             tp_store=store,

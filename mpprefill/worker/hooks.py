@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from mpprefill.model import ForwardBatch
-from mpprefill.worker.device import CLOCK_HZ, CudaStream, DevicePlan, HostStream
+from mpprefill.streams import CLOCK_HZ, CudaStream, HostStream
+from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.runner import ForwardRunner
 
 SLOW_DEVICE_ENV = "MPPREFILL_TEST_SLOW_DEVICE"

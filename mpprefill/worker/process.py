@@ -9,15 +9,15 @@ from collections.abc import Iterator
 
 import ipc
 from ipc.events import EventAbandoned, EventTimeout
-from mpprefill.config import ServerArgs
+from mpprefill.layer_configs import WorkerConfig
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig
-from mpprefill.model.loader import config_from_args
+from mpprefill.model.loader import source_config
 from mpprefill.model.parallel import TPRank, check_shardable, shard_config
 from mpprefill.sampling.logprobs import Logprobs
 from mpprefill.sampling.sampler import Sampled
 from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied, sleep_until_ns
-from mpprefill.worker.build import group_size, kv_dtype, num_kv_slots, swa_slots
+from mpprefill.worker.build import kv_dtype
 from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.events import NUM_SLOTS, forward_gen, sample_gen
 from mpprefill.worker.fence import KVWriteFence
@@ -44,10 +44,10 @@ class ProcessWorker(Worker):
 
     max_in_flight = 2
 
-    def __init__(self, args: ServerArgs, hooks: DeviceHooks | None = None):
+    def __init__(self, cfg: WorkerConfig, hooks: DeviceHooks | None = None):
         ipc.sweep_stale(TAG)
-        self.args = args
-        self.plan = DevicePlan.of(args.device, args.staging)
+        self.cfg = cfg
+        self.plan = DevicePlan.of(cfg.device.torch_device, cfg.staging)
         self.prefix = ipc.new_prefix(TAG)
         self._pending: deque[ForwardInput] = deque()
         self._kv: KVCache | None = None
@@ -55,27 +55,30 @@ class ProcessWorker(Worker):
         self._closed = False
         with contextlib.ExitStack() as undo:  # a start that fails leaves nothing behind
             undo.callback(ipc.remove_prefix, self.prefix)
-            self._start(args, hooks or DeviceHooks.from_env(), undo)
+            self._start(cfg, hooks or DeviceHooks.from_env(), undo)
             self._attach(self._await_ready(START_TIMEOUT))
             undo.pop_all()
 
-    def _start(self, args: ServerArgs, hooks: DeviceHooks, undo: contextlib.ExitStack):
-        config = config_from_args(args)
-        size = group_size(args)
+    def _start(self, cfg: WorkerConfig, hooks: DeviceHooks, undo: contextlib.ExitStack):
+        config = source_config(cfg.model)
+        size = cfg.group_size
         if size > 1:
             check_shardable(config, size)
-        self.staging = make_staging(_specs(args, config), self.prefix, self.plan)
+        self.staging = make_staging(_specs(cfg, config), self.prefix, self.plan)
         undo.callback(self.staging.unlink)
         self._store = start_store() if size > 1 else None
         store = None if self._store is None else ("127.0.0.1", self._store.port)
         self.ranks = [
-            RankLink(args, self.plan, self.prefix, self.staging.handles, hooks, r, store, undo)
+            RankLink(cfg, self.plan, self.prefix, self.staging.handles, hooks, r, store, undo)
             for r in range(size)
         ]
         orders = [rank.order for rank in self.ranks]
         self.order = orders[0] if len(orders) == 1 else GroupOrder(orders)
         self.kv_fence = KVWriteFence(
-            args.num_pages, args.page_size, self.order.kv_written, self.order.kv_written_query
+            cfg.pools.num_pages,
+            cfg.pools.page_size,
+            self.order.kv_written,
+            self.order.kv_written_query,
         )
         if len(self.ranks) > 1:
             self._sentinel = GroupSentinel([rank.proc for rank in self.ranks])
@@ -145,10 +148,10 @@ class ProcessWorker(Worker):
         segment of another dtype than this side resolves is refused."""
         return KVCache.for_model(
             config,
-            num_kv_slots(self.args),
+            self.cfg.pools.num_kv_slots,
             buffer=ipc.open_handle(ready.kv),
-            num_swa_slots=swa_slots(self.args),
-            dtype=kv_dtype(self.args, config),
+            num_swa_slots=self.cfg.pools.num_swa_slots,
+            dtype=kv_dtype(self.cfg, config),
         )
 
     @property
@@ -312,15 +315,12 @@ class ProcessWorker(Worker):
                 ipc.remove_ipc_endpoint(ch.endpoint)
 
 
-def _specs(args: ServerArgs, config: ModelConfig):
+def _specs(cfg: WorkerConfig, config: ModelConfig):
     """Room for any batch admission can build: at most max_running_requests requests, each
     at most the context length and the KV pool long (validated at admission); new tokens
     within the batch budgets, or one whole prompt when chunking is off."""
-    longest = min(args.context_len(config.max_position_embeddings), num_kv_slots(args))
-    max_tokens = max(
-        args.max_prefill_tokens,
-        args.chunked_prefill_size,
-        longest if args.chunked_prefill_size == -1 else 0,
-    )
-    max_kv = args.max_running_requests * longest
-    return staging_specs(max_tokens, args.max_running_requests, max_kv, config.has_sliding_layers)
+    longest = min(cfg.context_len(config.max_position_embeddings), cfg.pools.num_kv_slots)
+    chunk = cfg.pools.chunked_prefill_size
+    max_tokens = max(cfg.max_prefill_tokens, chunk, longest if chunk == -1 else 0)
+    max_kv = cfg.max_running_requests * longest
+    return staging_specs(max_tokens, cfg.max_running_requests, max_kv, config.has_sliding_layers)

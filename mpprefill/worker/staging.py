@@ -38,7 +38,8 @@ import ipc
 from ipc.cuda import pin
 from mpprefill.model import ForwardBatch
 from mpprefill.sampling.info import SamplingBatchInfo
-from mpprefill.worker.device import CudaStream, DevicePlan, HostStream
+from mpprefill.streams import CudaStream, HostStream
+from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.events import NUM_SLOTS, SchedulerOrder
 
 logger = logging.getLogger(__name__)

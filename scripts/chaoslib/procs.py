@@ -26,11 +26,14 @@ def kill(child: Child) -> int:
     return child.proc.wait(10)
 
 
-def restart_decode(port: int, flags: list[str], log_dir: str, timeout: float = 120.0) -> Child:
+def restart_decode(
+    port: int, flags: list[str], log_dir: str, timeout: float = 120.0, launcher=None
+) -> Child:
     """A decode receiver on `port`: the rooms registered for it name that address
-    (`procs.start_decode` always takes a fresh port)."""
+    (`procs.start_decode` always takes a fresh port). `launcher`: as start_decode's."""
     log_path = os.path.join(log_dir, f"decode-{port}-{int(time.time() * 1000)}.log")
-    cmd = [sys.executable, "-m", "mpprefill", "decode", *flags, "--receiver-port", str(port)]
+    launcher = launcher or [sys.executable, "-m", "mpprefill", "decode"]
+    cmd = [*launcher, *flags, "--receiver-port", str(port)]
     cmd += ["--zmq-port", "0"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

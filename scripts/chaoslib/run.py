@@ -105,9 +105,13 @@ class ChaosRun:
         return [
             *("--page-size", str(a.page_size), "--max-total-tokens", "32768"),
             *("--disaggregation-transfer-backend", "shm", "--log-level", "warning"),
-            *("--test-transfer-delay-ms", str(a.slow_ms)),
-            *("--test-transfer-delay-every", str(SLOW_EVERY)),
         ]
+
+    def slow_decode(self) -> list[str]:
+        """The decode server with its test delay injected (tests/slow_decode.py, run from
+        the repository root): rooms that are multiples of SLOW_EVERY answer late."""
+        delay = ("--delay-ms", str(self.args.slow_ms), "--delay-every", str(SLOW_EVERY))
+        return [sys.executable, "-m", "tests.slow_decode", *delay]
 
     def router_decode_flags(self) -> list[str]:
         """The generating decode server behind SGLang's router (no test delay)."""
@@ -121,7 +125,7 @@ class ChaosRun:
 
     def start(self) -> None:
         leg = self.router_skipped is None
-        self.decode = start_decode(self.decode_flags(), self.log_dir)
+        self.decode = start_decode(self.decode_flags(), self.log_dir, launcher=self.slow_decode())
         self.decodes.append(self.decode)
         if leg:
             self.router_decode = procs.start_generating_decode(
@@ -152,7 +156,9 @@ class ChaosRun:
             self.faults.decode_kill = time.monotonic()
             procs.kill(self.decode)
             hostile.serve(HOSTILE_DECODE_S)
-            new = procs.restart_decode(self.decode.port, self.decode_flags(), self.log_dir)
+            launcher = self.slow_decode()
+            flags = self.decode_flags()
+            new = procs.restart_decode(self.decode.port, flags, self.log_dir, launcher=launcher)
             self.decodes.append(new)
             self.decode = new
             self.faults.decode_ready = time.monotonic()

@@ -35,9 +35,10 @@ def _run(mode: str, tp: int) -> dict:
 
 
 def _table(runs: list[dict], tp: int) -> str:
-    server = dataclasses.asdict(ServerArgs(tp_size=tp, **EMULATED))
+    args = ServerArgs(tp_size=tp, **EMULATED)
+    server = dataclasses.asdict(args)
     result = {
-        "config": {"server": server},
+        "config": {"server": server, "emulated": args.worker_device.emulated},
         "forward_bound_itps": 1.0,
         "forward_bound": {"replayed_mode": runs[0]["mode"]},
         "runs": runs,

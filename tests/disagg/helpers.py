@@ -21,6 +21,7 @@ from mpprefill.disagg.sender import KVPoll
 from mpprefill.memory.allocator import PagedTokenAllocator, cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, load_model
+from tests import slow_decode
 
 PAGE = 16
 PROMPT_LENS = (33, 16, 47, 5)
@@ -38,12 +39,19 @@ class DecodeProc:
         backend: str = "shm",
         port: int = 0,
         http_port: int = 0,
+        delay_ms: float = 0.0,
     ):
         self.port = port or free_port()
         self.zmq_port = free_port()
         self.http_port = http_port
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        cmd = [sys.executable, "-m", "mpprefill.decode", "--receiver-port", str(self.port)]
+        # NOTE: with a test delay, the same server through the launcher that injects it
+        launcher = (
+            slow_decode.command(delay_ms)
+            if delay_ms
+            else [sys.executable, "-m", "mpprefill.decode"]
+        )
+        cmd = [*launcher, "--receiver-port", str(self.port)]
         cmd += ["--zmq-port", str(self.zmq_port), "--port", str(http_port)]
         cmd += ["--page-size", str(PAGE), "--max-total-tokens", str(max_total_tokens)]
         cmd += ["--disaggregation-transfer-backend", backend, "--log-level", "warning", *flags]

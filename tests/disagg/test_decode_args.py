@@ -37,8 +37,9 @@ def test_the_decode_pool_takes_the_prefills_dtype_from_the_same_flags(kw):
     if "emulate_model" in kw:
         prefill_kw.update(device="emulated", emulate_model=kw["emulate_model"])
     prefill = ServerArgs(**prefill_kw)
-    assert dtypes.kv_torch == kv_dtype(prefill, worker_model_config(prefill))
-    assert pool_model_config(args).dtype == worker_model_config(prefill).dtype == dtypes.model
+    worker = prefill.worker_config()
+    assert dtypes.kv_torch == kv_dtype(worker, worker_model_config(worker))
+    assert pool_model_config(args).dtype == worker_model_config(worker).dtype == dtypes.model
 
 
 def test_decode_dtype_flags():
@@ -57,7 +58,8 @@ def test_the_bench_passes_the_dtypes_to_its_prefill_and_decode_servers():
     for flags in (cfg.server_flags("normal", None), cfg.decode_flags()):
         assert flags[flags.index("--dtype") + 1] == "bfloat16"
         assert flags[flags.index("--kv-cache-dtype") + 1] == "float32"
-    assert kv_dtype(cfg.server, worker_model_config(cfg.server)) == torch.float32
+    worker = cfg.server.worker_config()
+    assert kv_dtype(worker, worker_model_config(worker)) == torch.float32
 
 
 def test_eos_ids_come_from_both_config_files(tmp_path):

@@ -13,6 +13,7 @@ from mpprefill.config import ServerArgs
 from mpprefill.disagg import wire
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.memory.allocator import cdiv
+from mpprefill.modes import MODES
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.scheduling.scheduler import Scheduler
@@ -56,7 +57,7 @@ def test_bfloat16_kv_arrives_verified(mode, bf16_decode):
         decode_address=bf16_decode.address,
         worker_threads=1,
     )
-    worker, config = make_worker(args, mode)
+    worker, config = make_worker(args, MODES[mode])
     address = bf16_decode.address
     transfer = make_transfer("shm", worker.kv_cache, PAGE, address, fence=worker.kv_fence)
     try:

@@ -107,7 +107,7 @@ def test_a_decode_that_never_acks_fails_the_sender(pool, room):
     """The decode side answers pings and the bootstrap but holds the ack past the deadline."""
     _, prompts = pool
     p, r = prompts[0], room()
-    d = DecodeProc("--test-transfer-delay-ms", "20000").wait_ready()
+    d = DecodeProc(delay_ms=20000).wait_ready()
     b = make_transfer("shm", pool[0], PAGE, d.address, bootstrap_timeout=1.0)
     try:
         with Router(d.address) as rt:

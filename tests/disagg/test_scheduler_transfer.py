@@ -13,6 +13,7 @@ import pytest
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.memory.allocator import cdiv
+from mpprefill.modes import MODES
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.scheduling.scheduler import Scheduler
@@ -39,7 +40,7 @@ def test_scheduler_sends_every_request(mode, decode, router):
         decode_address=decode.address,
         worker_threads=1,
     )
-    worker, config = make_worker(args, mode)
+    worker, config = make_worker(args, MODES[mode])
     # As the server does: an early send may name pages a forward in flight still writes.
     transfer = make_transfer("shm", worker.kv_cache, PAGE, decode.address, fence=worker.kv_fence)
     try:

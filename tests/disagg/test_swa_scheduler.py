@@ -18,6 +18,7 @@ from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.disagg.plane_map import window_first_page
 from mpprefill.memory.allocator import cdiv
+from mpprefill.modes import MODES
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.scheduling.scheduler import Scheduler
@@ -80,7 +81,7 @@ def test_scheduler_sends_only_the_last_window(receiver):
         swa_layers=receiver.args.swa_layers,
         swa_full_tokens_ratio=0.12,  # 15 pages: out-of-window pages must make room
     )
-    worker, config = make_worker(args, "overlap")
+    worker, config = make_worker(args, MODES["overlap"])
     assert config.has_sliding_layers
     transfer = make_transfer(backend, worker.kv_cache, PAGE, receiver.address)
     windows = {}

@@ -22,6 +22,7 @@ from mpprefill.disagg.rank_pools import ShippedKV
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig, load_model
 from mpprefill.model.export import save_random_model
+from mpprefill.modes import MODES
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.scheduling.scheduler import Scheduler
@@ -91,7 +92,7 @@ def run_prefill(
         worker_threads=1,
         **extra,
     )
-    worker, config = make_worker(args, "proc-ahead")
+    worker, config = make_worker(args, MODES["proc-ahead"])
     try:
         transfer = make_transfer(
             backend, worker.kv_shards(), PAGE, decode_address, fence=worker.kv_fence

@@ -14,6 +14,7 @@ from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.disagg.sender import TransferDied
 from mpprefill.disagg.shm_backend import ShmTransfer
+from mpprefill.modes import MODES
 from mpprefill.scheduling.invariants import check_drained
 from mpprefill.scheduling.loops import event_loop_normal
 from mpprefill.scheduling.req import Req, ReqStatus
@@ -60,7 +61,7 @@ def test_an_abort_while_pages_are_copied_releases_after_the_copy_and_replies_aft
     rx = DecodeReceiver(DecodeArgs(receiver_port=0, max_total_tokens=1024))
     fence = GateFence()
     args = _args(rx.address)
-    worker, config = make_worker(args, "normal")
+    worker, config = make_worker(args, MODES["normal"])
     transfer = make_transfer("shm", worker.kv_cache, PAGE, rx.address, fence=fence)
     finished = []
     with serving(rx), Router(rx.address) as router:
@@ -98,7 +99,7 @@ class DyingTransfer(ShmTransfer):
 def test_a_dead_transfer_thread_stops_the_scheduler():
     rx = DecodeReceiver(DecodeArgs(receiver_port=0, max_total_tokens=1024))
     args = _args(rx.address)
-    worker, config = make_worker(args, "normal")
+    worker, config = make_worker(args, MODES["normal"])
     transfer = DyingTransfer(worker.kv_cache, PAGE, rx.address)
     with serving(rx):
         try:

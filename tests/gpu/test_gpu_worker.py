@@ -101,7 +101,7 @@ def test_kv_reads_wait_for_the_forward_on_gpu(monkeypatch, staging, fenced):
         max_prefill_tokens=64,
         context_length=256,
     )
-    worker = ProcessWorker(args)
+    worker = ProcessWorker(args.worker_config())
     backend = None
     try:
         assert worker.kv_cache.device.type == "cuda"

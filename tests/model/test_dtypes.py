@@ -13,7 +13,7 @@ from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ModelConfig, config_from_hf, load_model
 from mpprefill.model.config import Dtypes, resolve_dtypes
 from mpprefill.model.export import hf_config, save_random_model
-from mpprefill.model.loader import config_from_args, read_config
+from mpprefill.model.loader import read_config, source_config
 from mpprefill.worker.build import kv_dtype, worker_model_config
 
 SMALL = dataclasses.replace(
@@ -41,8 +41,9 @@ def test_auto_takes_the_checkpoints_dtype_and_kv_auto_the_models():
 def test_server_args_resolve_against_the_checkpoint(bf16_dir):
     def dtypes(**kw) -> tuple[str, torch.dtype]:
         args = ServerArgs(**kw)
-        config = worker_model_config(args)
-        return config.dtype, kv_dtype(args, config)
+        cfg = args.worker_config()
+        config = worker_model_config(cfg)
+        return config.dtype, kv_dtype(cfg, config)
 
     assert read_config(bf16_dir).dtype == "bfloat16"
     assert dtypes(model_path=bf16_dir) == ("bfloat16", torch.bfloat16)
@@ -71,7 +72,10 @@ def test_a_bfloat16_checkpoint_loads_in_any_dtype(bf16_dir):
     assert {p.dtype for p in native.parameters()} == {torch.bfloat16}
     for (name, a), (_, b) in zip(native.named_parameters(), up.named_parameters(), strict=True):
         assert b.dtype == torch.float32 and torch.equal(a.float(), b), name  # exact upcast
-    assert config_from_args(ServerArgs(model_path=bf16_dir, dtype="float32")).dtype == "float32"
+    assert (
+        source_config(ServerArgs(model_path=bf16_dir, dtype="float32").model_source()).dtype
+        == "float32"
+    )
 
 
 def test_the_kv_pool_takes_its_own_dtype():

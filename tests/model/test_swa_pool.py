@@ -11,7 +11,7 @@ from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.memory.swa_allocator import SwaPagedAllocator
 from mpprefill.model import ForwardBatch, load_model
-from mpprefill.model.loader import config_from_args
+from mpprefill.model.loader import source_config
 from mpprefill.model.swa import parse_swa_layers, with_sliding_window
 
 WINDOW, PAGE, CHUNK = 16, 4, 24
@@ -115,5 +115,5 @@ def test_flags_override_the_model_config():
     with pytest.raises(ValueError, match="swa-full-tokens-ratio"):
         ServerArgs(swa_full_tokens_ratio=0)
     args = ServerArgs(sliding_window=32, swa_layers="fs", max_total_tokens=1024)
-    assert config_from_args(args).layer_types[1] == "sliding_attention"
+    assert source_config(args.model_source()).layer_types[1] == "sliding_attention"
     assert args.num_swa_pages == int(1024 // 16 * 0.8)

@@ -103,4 +103,6 @@ def test_tensor_parallel_and_host_store_runs_pass_their_flags_to_serve(tmp_path,
     parsed = build_parser().parse_args(["serve", "--zmq-port", "1", *flags])
     args = from_namespace(ServerArgs, parsed)
     assert {k: getattr(args, k) for k in expect} == expect
-    assert args.resolved_forward_mode == "proc-ahead"  # a mode a group of ranks runs in
+    assert (
+        args.mode.in_process and args.forward_mode == "proc-ahead"
+    )  # a mode a group of ranks runs in

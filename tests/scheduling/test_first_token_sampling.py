@@ -87,7 +87,7 @@ def run_prefill(path, mode: str, delay: bool, reqs: list[Req], timeout: float = 
         delay_sampling=delay,
         check_invariants=True,
     )
-    worker, config = make_worker(args, args.resolved_forward_mode)
+    worker, config = make_worker(args, args.mode)
     done: list[Req] = []
     s = Scheduler(args, config, worker, FakeTransfer(), on_finish=done.append)
     deadline = time.monotonic() + timeout
@@ -100,7 +100,7 @@ def run_prefill(path, mode: str, delay: bool, reqs: list[Req], timeout: float = 
         for rounds in (reqs[: len(reqs) // 2], reqs[len(reqs) // 2 :]):  # the second: cached
             for r in rounds:
                 s.add_request(r)
-            LOOPS[args.resolved_forward_mode](s, until)
+            LOOPS[args.mode.name](s, until)
     finally:
         worker.close()
     assert all(r.error is None for r in done), [r.error for r in done]

@@ -235,7 +235,7 @@ def test_early_send_on_scheduler_thread_once_per_page(mode):
     ],
 )
 def test_mode_dispatch_and_env_aliases(env, flags, expected):
-    from mpprefill.config import resolve_forward_mode
+    from mpprefill.modes import resolve_forward_mode
 
     got = resolve_forward_mode(flags.get("mode"), flags.get("disable_overlap", False), env)
     assert got == expected
@@ -253,6 +253,31 @@ def test_mode_outside_its_conditions_is_a_startup_error(kw, why):
     from mpprefill.config import ServerArgs
 
     with pytest.raises(ValueError, match=why):
-        ServerArgs(**kw).resolved_forward_mode  # noqa: B018
+        ServerArgs(**kw)
     with pytest.raises(ValueError, match=why):
         PrefillEngine(**kw)
+
+
+def test_the_mode_table_says_where_each_forward_runs():
+    from mpprefill.modes import MODES
+
+    got = {n: (m.worker, m.overlap, m.ahead) for n, m in MODES.items()}
+    assert got == {
+        "normal": ("inline", False, False),
+        "overlap": ("inline", True, False),
+        "thread": ("thread", True, False),
+        "thread-ahead": ("thread", True, True),
+        "proc": ("process", True, False),
+        "proc-ahead": ("process", True, True),
+    }
+    assert [n for n, m in MODES.items() if m.in_process] == ["proc", "proc-ahead"]
+
+
+def test_the_environment_is_read_once_when_the_args_are_made(monkeypatch):
+    from mpprefill.config import ServerArgs
+
+    monkeypatch.setenv("MPPREFILL_FORWARD_MODE", "thread")
+    args = ServerArgs()
+    monkeypatch.setenv("MPPREFILL_FORWARD_MODE", "proc")
+    assert args.forward_mode == "thread" and args.mode.on_thread
+    assert args.replace(page_size=32).mode.name == "thread"  # copies keep the name

@@ -227,7 +227,14 @@ def test_first_token_does_not_depend_on_prefix_hits_or_chunking():
 
 def test_device_label_and_flags():
     a = ServerArgs(device="emulated", emulate_model="Llama-3.1-8B", emulate_gpu="b200")
-    assert a.device_label == "emulated (b200, Llama-3.1-8B)"
-    assert a.torch_device == "cpu"
+    dev = a.worker_device
+    assert dev.label == "emulated (b200, Llama-3.1-8B)"
+    assert (dev.torch_device, dev.kind, dev.emulated, dev.on_cuda) == (
+        "cpu",
+        "emulated",
+        True,
+        False,
+    )
+    assert dev.group_size(4) == 1 and ServerArgs(device="cpu").worker_device.group_size(4) == 4
     with pytest.raises(ValueError, match="emulate-gpu"):
         ServerArgs(device="emulated", emulate_gpu="a100")

@@ -21,7 +21,6 @@ from mpprefill.emulation.roofline import (
 )
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig
-from mpprefill.worker.build import emulated_device
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -148,7 +147,7 @@ def test_every_layer_and_the_head_spend_their_kernels_launches():
 
 def test_the_launch_flag_reaches_the_emulated_device():
     args = ServerArgs(device="emulated", emulate_launch_us=4.5, emulate_issue="free")
-    dev = emulated_device(args)
+    dev = args.worker_device.clock()
     assert dev.launch.per_kernel_s == pytest.approx(4.5e-6) and dev.issue == "free"
 
 

@@ -15,7 +15,8 @@ from ipc.events import EventAbandoned, EventTimeout, ShmEvent
 from mpprefill.config import ServerArgs
 from mpprefill.engine import PrefillEngine
 from mpprefill.memory.kv_cache import KVCache
-from mpprefill.worker.device import DevicePlan, HostStream
+from mpprefill.streams import HostStream
+from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.events import NUM_EVENTS, SchedulerOrder, WorkerOrder, make_events
 from mpprefill.worker.fence import KVWriteFence
 from mpprefill.worker.hooks import DeviceHooks, LaggingStream
@@ -215,7 +216,7 @@ def test_early_send_waits_for_the_forward_in_flight(fenced):
     """The device lags: the worker replies before its forward ran. An early send of
     pages that forward writes (a cached prefix whose last chunk is still computing, the
     upstream race) must read them only after "forward done"."""
-    worker = ProcessWorker(_small_args(), DeviceHooks(slow_device_s=0.4))
+    worker = ProcessWorker(_small_args().worker_config(), DeviceHooks(slow_device_s=0.4))
     backend = None
     try:
         assert type(worker.staging) is ShmStaging

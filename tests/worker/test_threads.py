@@ -29,19 +29,20 @@ def test_the_scheduler_gets_the_cores_the_forward_processes_leave(
     monkeypatch, cpus, kw, forward, scheduler
 ):
     monkeypatch.setattr(build.os, "cpu_count", lambda: cpus)
-    args = ServerArgs(**kw)
-    assert forward_threads(args) == forward
-    assert scheduler_threads(args) == scheduler
+    cfg = ServerArgs(**kw).worker_config()
+    assert forward_threads(cfg) == forward
+    assert scheduler_threads(cfg) == scheduler
 
 
 @pytest.mark.timeout(120)
 def test_a_process_worker_leaves_its_scheduler_one_thread_where_the_forward_takes_the_rest():
+    from mpprefill.modes import MODES
     from mpprefill.worker.factory import make_worker
 
     before = torch.get_num_threads()
     torch.set_num_threads(3)  # whatever the process had: the worker sets it
     args = ServerArgs(forward_mode="proc", worker_threads=max(1, (os.cpu_count() or 1) - 1))
-    worker, _ = make_worker(args, "proc")
+    worker, _ = make_worker(args, MODES["proc"])
     try:
         assert torch.get_num_threads() == 1
     finally:

@@ -38,7 +38,7 @@ def _deferred(seq: int, ids: list[int], slots: list[int]) -> ForwardInput:
 
 @pytest.fixture
 def process_worker():
-    worker = ProcessWorker(ServerArgs(forward_mode="proc"))
+    worker = ProcessWorker(ServerArgs(forward_mode="proc").worker_config())
     yield worker
     worker.kill_now()
 
@@ -127,7 +127,7 @@ def test_a_failed_start_leaves_no_process_segment_or_socket(tmp_path):
     before = set(ipc.list_segments(mine))
     before_children = set(children(os.getpid()))
     with pytest.raises(WorkerDied):
-        ProcessWorker(ServerArgs(forward_mode="proc", model_path=str(tmp_path)))
+        ProcessWorker(ServerArgs(forward_mode="proc", model_path=str(tmp_path)).worker_config())
     assert set(ipc.list_segments(mine)) == before
     deadline = time.monotonic() + 5
     while set(children(os.getpid())) - before_children and time.monotonic() < deadline:
@@ -150,7 +150,7 @@ def test_staging_holds_the_longest_prompt_admission_takes():
     sched.validate(Req("long", [1] * 100_000))
     with pytest.raises(ValueError, match="context length 131072"):
         sched.validate(Req("too-long", [1] * 131_073))
-    specs = _specs(args, config)
+    specs = _specs(args.worker_config(), config)
     fb = ForwardBatch.build([[1] * 100_000], [0], [list(range(100_000))])
     check_capacity(fb, specs)
     # Four requests at the context length, all but their last page cached.
@@ -160,7 +160,7 @@ def test_staging_holds_the_longest_prompt_admission_takes():
 
 def test_kv_indices_capacity_is_what_one_batch_can_name():
     args = ServerArgs(max_running_requests=3, max_total_tokens=4096)
-    specs = _specs(args, ModelConfig(max_position_embeddings=8192))
+    specs = _specs(args.worker_config(), ModelConfig(max_position_embeddings=8192))
     assert specs["kv_indices"][0] == (3 * 4096,)  # each request at most the pool long
     assert specs["input_ids"][0] == (max(args.max_prefill_tokens, args.chunked_prefill_size),)
     assert torch.int64 == specs["kv_indices"][1]

@@ -1,0 +1,32 @@
+"""The emulated accelerator's parts, made from its settings (`devices.Emulation`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from mpprefill.emulation.device import EmulatedDevice, EmulatedHostLink
+from mpprefill.emulation.roofline import EMULATED_DTYPE, ModelShape, resolve_shape
+from mpprefill.model.config import resolve_dtypes
+
+if TYPE_CHECKING:
+    from mpprefill.devices import Emulation
+
+
+def emulated_shape(emu: Emulation) -> ModelShape:
+    """--emulate-model's shape, its bytes per element those of --dtype and --kv-cache-dtype;
+    `auto` is the emulated model's own dtype (EMULATED_DTYPE), not the host stand-in's."""
+    dtypes = resolve_dtypes(emu.dtype, emu.kv_cache_dtype, EMULATED_DTYPE)
+    model_bytes, kv_bytes = dtypes.itemsizes
+    shape = resolve_shape(emu.model)
+    return dataclasses.replace(shape, dtype_bytes=model_bytes, kv_dtype_bytes=kv_bytes)
+
+
+def emulated_clock(emu: Emulation) -> EmulatedDevice:
+    """The accelerator's clock, which the forward runner charges."""
+    return EmulatedDevice(emulated_shape(emu), emu.gpu, emu.tp_size, emu.launch_us, emu.issue)
+
+
+def emulated_host_link(emu: Emulation) -> EmulatedHostLink:
+    """The host link the host KV tier's copies take."""
+    return EmulatedHostLink(emulated_shape(emu), emu.gpu, emu.tp_size)
