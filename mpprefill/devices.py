@@ -7,17 +7,13 @@
 | emulated  | emulated | cpu        | yes: the roofline  | PCIe of the GPU    |
 
 `ServerArgs.worker_device` is the one place that reads the flag; code below it asks a
-`Device` (`device.emulated`, `device.clock()`, `device.host_link()`), never a name.
+`Device` (`device.emulated`, `device.label`, ...), never a name. It is plain data: the
+emulated clock and host link are made from it by `emulation.setup`, a layer above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from mpprefill.emulation.device import EmulatedDevice, EmulatedHostLink
-    from mpprefill.emulation.roofline import ModelShape
 
 EMULATED = "emulated"  # --device's name for the emulated accelerator
 
@@ -75,29 +71,3 @@ class Device:
         on the emulated device, whose clock charges one rank's time of the whole group
         (the ranks run the same host path in lockstep)."""
         return 1 if self.emulated else tp_size
-
-    # NOTE: the emulation modules import torch and the model; they load only where a
-    # clock or a link is made, so the config (and the HTTP front) stay light.
-    def clock(self) -> EmulatedDevice | None:
-        """The clock a forward runner charges its forwards to; None off the emulated device."""
-        if self.emulation is None:
-            return None
-        from mpprefill.emulation.setup import emulated_clock
-
-        return emulated_clock(self.emulation)
-
-    def host_link(self) -> EmulatedHostLink | None:
-        """The host link the host KV tier's copies take; None off the emulated device."""
-        if self.emulation is None:
-            return None
-        from mpprefill.emulation.setup import emulated_host_link
-
-        return emulated_host_link(self.emulation)
-
-    def shape(self) -> ModelShape | None:
-        """The emulated model's shape in the flags' dtypes; None off the emulated device."""
-        if self.emulation is None:
-            return None
-        from mpprefill.emulation.setup import emulated_shape
-
-        return emulated_shape(self.emulation)

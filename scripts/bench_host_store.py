@@ -36,6 +36,7 @@ from mpprefill.bench.replay import forward_bound, load_shapes
 from mpprefill.bench.runner import BenchConfig, run_mode
 from mpprefill.bench.workload import solve_for_hit_rate
 from mpprefill.config import ServerArgs
+from mpprefill.emulation.setup import host_link_for
 from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.host.store import HostKVStore
 from mpprefill.memory.kv_cache import KVCache
@@ -221,7 +222,7 @@ def time_staging(
     allocator, tree = make_kv_pools(base.pool_config(), config, pool)
     kv = KVCache.for_model(config, allocator.size, num_swa_slots=allocator.swa_size or None)
     kv.storage.normal_()
-    store = HostKVStore(args.host_store_size, base.page_size, kv, base.worker_device.host_link())
+    store = HostKVStore(args.host_store_size, base.page_size, kv, host_link_for(base.worker_device))
     tier = HostTier(store, tree, allocator, kv, batched)
     gen = torch.Generator().manual_seed(args.seed)
     plan_ms, copy_ms = [], []

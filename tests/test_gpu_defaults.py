@@ -49,11 +49,13 @@ def test_auto_is_cuda_where_torch_sees_one_else_cpu(given, cuda, expected):
 def test_server_args_resolve_auto_once_and_everything_sees_the_device():
     import torch
 
+    from mpprefill.emulation.setup import clock_for, host_link_for
+
     here = "cuda" if torch.cuda.is_available() else "cpu"
     args = ServerArgs()
     dev = args.worker_device
     assert args.device == here and dev.label == here and dev.torch_device == here
-    assert not dev.emulated and dev.clock() is None and dev.host_link() is None
+    assert not dev.emulated and clock_for(dev) is None and host_link_for(dev) is None
     assert args.replace(page_size=32).device == here
     assert ServerArgs(device="emulated").device == "emulated"  # only when asked
 

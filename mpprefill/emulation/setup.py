@@ -1,4 +1,6 @@
-"""The emulated accelerator's parts, made from its settings (`devices.Emulation`)."""
+"""The emulated accelerator's parts, made from its settings (`devices.Emulation`): the
+layers that need a clock or a host link ask here with their `Device`, which is plain data
+(so the config and the HTTP front never load torch or the model through it)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from mpprefill.emulation.roofline import EMULATED_DTYPE, ModelShape, resolve_sha
 from mpprefill.model.config import resolve_dtypes
 
 if TYPE_CHECKING:
-    from mpprefill.devices import Emulation
+    from mpprefill.devices import Device, Emulation
 
 
 def emulated_shape(emu: Emulation) -> ModelShape:
@@ -30,3 +32,18 @@ def emulated_clock(emu: Emulation) -> EmulatedDevice:
 def emulated_host_link(emu: Emulation) -> EmulatedHostLink:
     """The host link the host KV tier's copies take."""
     return EmulatedHostLink(emulated_shape(emu), emu.gpu, emu.tp_size)
+
+
+def clock_for(device: Device) -> EmulatedDevice | None:
+    """The clock a forward runner charges its forwards to; None off the emulated device."""
+    return None if device.emulation is None else emulated_clock(device.emulation)
+
+
+def host_link_for(device: Device) -> EmulatedHostLink | None:
+    """The host link the host KV tier's copies take; None off the emulated device."""
+    return None if device.emulation is None else emulated_host_link(device.emulation)
+
+
+def shape_for(device: Device) -> ModelShape | None:
+    """The emulated model's shape in the flags' dtypes; None off the emulated device."""
+    return None if device.emulation is None else emulated_shape(device.emulation)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from mpprefill.emulation.setup import host_link_for
 from mpprefill.memory.allocator import PagedTokenAllocator
 from mpprefill.memory.host.index import HostPage
 from mpprefill.memory.host.store import HostKVStore, PoolWrite, Reservation
@@ -63,7 +64,7 @@ def make_host_tier(
     if cfg.size <= 0:
         return None
     kv = worker.kv_cache
-    store = HostKVStore(cfg.size, cfg.page_size, kv, cfg.device.host_link())
+    store = HostKVStore(cfg.size, cfg.page_size, kv, host_link_for(cfg.device))
     return HostTier(store, tree, allocator, kv, cfg.batched_writeback, metrics, worker.kv_fence)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from mpprefill.config import kv_pool_tokens
 from mpprefill.emulation.device import host_config, host_model
+from mpprefill.emulation.setup import clock_for
 from mpprefill.layer_configs import WorkerConfig
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import CausalLM, ModelConfig
@@ -138,4 +139,4 @@ def build_runner(
     kv = KVCache.for_model(
         kv_cfg, pools.num_kv_slots, device, kv_buffer, pools.num_swa_slots, dtype
     )
-    return ForwardRunner(model, kv, cfg.device.clock())
+    return ForwardRunner(model, kv, clock_for(cfg.device))

@@ -19,6 +19,7 @@ from mpprefill.emulation.roofline import (
     layer_parts_s,
     resolve_shape,
 )
+from mpprefill.emulation.setup import clock_for
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig
 
@@ -147,7 +148,7 @@ def test_every_layer_and_the_head_spend_their_kernels_launches():
 
 def test_the_launch_flag_reaches_the_emulated_device():
     args = ServerArgs(device="emulated", emulate_launch_us=4.5, emulate_issue="free")
-    dev = args.worker_device.clock()
+    dev = clock_for(args.worker_device)
     assert dev.launch.per_kernel_s == pytest.approx(4.5e-6) and dev.issue == "free"
 
 
