@@ -277,6 +277,21 @@ class ServerArgs:
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         self._check_mode()
+        self._check_sizes()
+        self._check_host_store()
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"--disaggregation-transfer-backend: one of {TRANSFER_BACKENDS}")
+        if min(self.bootstrap_timeout, self.transfer_timeout) <= 0:
+            raise ValueError("--bootstrap-timeout and --transfer-timeout must be positive")
+        self._check_choices()
+        if self.api_key == "":
+            raise ValueError("--api-key must not be empty")
+        self._check_ports()
+        if self.tp_size > 1:
+            self._check_tp()
+
+    def _check_sizes(self) -> None:
+        """Pages, chunks, batch limits and the pool's share of memory."""
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"--page-size must be a power of two >= 1, got {self.page_size}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
@@ -290,20 +305,21 @@ class ServerArgs:
             raise ValueError(
                 f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"--sliding-window must be positive, got {self.sliding_window}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError("--swa-full-tokens-ratio must be in (0, 1]")
+
+    def _check_host_store(self) -> None:
         if self.host_store_size < 0:
             raise ValueError("--host-store-size must be >= 0 (0: off)")
         if self.host_store_size and self.disable_radix_cache:
             raise ValueError("--host-store-size needs the prefix cache (--disable-radix-cache)")
         if 0 < self.host_store_size < self.page_size:
             raise ValueError("--host-store-size must be 0 or hold at least one page")
-        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
-            raise ValueError(f"--disaggregation-transfer-backend: one of {TRANSFER_BACKENDS}")
-        if min(self.bootstrap_timeout, self.transfer_timeout) <= 0:
-            raise ValueError("--bootstrap-timeout and --transfer-timeout must be positive")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"--sliding-window must be positive, got {self.sliding_window}")
-        if not 0 < self.swa_full_tokens_ratio <= 1:
-            raise ValueError("--swa-full-tokens-ratio must be in (0, 1]")
+
+    def _check_choices(self) -> None:
+        """The device, the emulation's settings, dtypes and backends: each one of its set."""
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"--device: one of {DEVICES}, got {self.device!r}")
         if self.emulate_gpu not in EMULATE_GPUS:
@@ -318,16 +334,10 @@ class ServerArgs:
             ("dtype", self.dtype, DTYPES),
             ("kv-cache-dtype", self.kv_cache_dtype, DTYPES),
             ("attention-backend", self.attention_backend, ATTENTION_BACKENDS),
+            ("staging", self.staging, STAGINGS),
         ):
             if value not in allowed:
                 raise ValueError(f"--{name}: one of {allowed}, got {value!r}")
-        if self.staging not in STAGINGS:
-            raise ValueError(f"--staging: one of {STAGINGS}")
-        if self.api_key == "":
-            raise ValueError("--api-key must not be empty")
-        self._check_ports()
-        if self.tp_size > 1:
-            self._check_tp()
 
     def _check_mode(self) -> None:
         check_dispatch(self.mode, self.disaggregation_mode, self.pp_size)

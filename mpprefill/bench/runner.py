@@ -169,6 +169,8 @@ def progress_bar(total: int, mode: str) -> tqdm:
 
 
 def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict) -> dict:
+    """A run's result object: the requests' figures as the client saw them, and the
+    server's counters over the run (`before` and `after` are its stats)."""
     done = [r for r in results if r.status == "done"]
     failed = [r for r in results if r.status != "done"]
     t_start = min(r.t_send for r in results)
@@ -176,18 +178,6 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
     duration = max(t_end - t_start, 1e-9)
     prompt = sum(r.prompt_tokens for r in done)
     cached = sum(r.cached_tokens for r in done)
-    c0, c1 = before["counters"], after["counters"]
-    batches = c1["num_batches"] - c0["num_batches"]
-    fwd_s = c1["forward_s"] - c0["forward_s"]
-    device_s = c1["device_s"] - c0["device_s"]
-    collective_s = c1["collective_s"] - c0["collective_s"]
-    new_gaps = c1["handoff_n"] - c0["handoff_n"]
-    gaps = c1["handoff_gaps_ms"][-new_gaps:] if new_gaps > 0 else []
-    phase_s = {
-        p: c1["phase_s"].get(p, 0.0) - c0["phase_s"].get(p, 0.0)
-        for p in (*SCHED_PHASES, "host-retire")
-    }
-    sched_s = sum(phase_s[p] for p in SCHED_PHASES)
     ttft = [r.ttft_s * 1e3 for r in done]
     return {
         "mode": mode,
@@ -203,27 +193,46 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
             "p50": float(np.percentile(ttft, 50)) if ttft else 0.0,
             "p99": float(np.percentile(ttft, 99)) if ttft else 0.0,
         },
-        "worker_busy_frac": fwd_s / duration,
-        "num_batches": batches,
-        "mailbox_bytes_per_batch": c1["mailbox_bytes_per_batch"],
         "first_tokens_sha256": first_tokens_sha256(done),
-        "t_sched_ms": sched_s / max(batches, 1) * 1e3,
-        "t_fwd_ms": fwd_s / max(batches, 1) * 1e3,
-        "t_issue_ms": fwd_s / max(batches, 1) * 1e3,
-        "t_device_ms": device_s / max(batches, 1) * 1e3,
-        "device_busy_frac": device_s / duration,
-        "t_collective_ms": collective_s / max(batches, 1) * 1e3,
-        "collective_share": collective_s / device_s if device_s > 0 else 0.0,
-        "handoff_gap_ms": float(np.percentile(gaps, 50)) if gaps else 0.0,
-        "handoff_batches": len(gaps),
-        "phase_ms_per_batch": {p: s / max(batches, 1) * 1e3 for p, s in phase_s.items()},
+        **_counter_figures(before, after, duration),
         "uncached_tokens": prompt - cached,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "invariants": after.get("invariants", {}),
         "kv_at_end": after.get("kv", {}),  # pools after the drain (SWA pool too)
-        "warmup_batches": c0["num_batches"],
+        "warmup_batches": before["counters"]["num_batches"],
         "errors": sorted({r.error for r in failed if r.error})[:5],
+    }
+
+
+def _counter_figures(before: dict, after: dict, duration: float) -> dict:
+    """The scheduler's counters over the run: per-batch times, busy fractions, gaps."""
+    c0, c1 = before["counters"], after["counters"]
+    batches = c1["num_batches"] - c0["num_batches"]
+    per_batch = 1e3 / max(batches, 1)  # seconds over the run -> ms per batch
+    fwd_s = c1["forward_s"] - c0["forward_s"]
+    device_s = c1["device_s"] - c0["device_s"]
+    collective_s = c1["collective_s"] - c0["collective_s"]
+    new_gaps = c1["handoff_n"] - c0["handoff_n"]
+    gaps = c1["handoff_gaps_ms"][-new_gaps:] if new_gaps > 0 else []
+    phase_s = {
+        p: c1["phase_s"].get(p, 0.0) - c0["phase_s"].get(p, 0.0)
+        for p in (*SCHED_PHASES, "host-retire")
+    }
+    return {
+        "worker_busy_frac": fwd_s / duration,
+        "num_batches": batches,
+        "mailbox_bytes_per_batch": c1["mailbox_bytes_per_batch"],
+        "t_sched_ms": sum(phase_s[p] for p in SCHED_PHASES) * per_batch,
+        "t_fwd_ms": fwd_s * per_batch,
+        "t_issue_ms": fwd_s * per_batch,
+        "t_device_ms": device_s * per_batch,
+        "device_busy_frac": device_s / duration,
+        "t_collective_ms": collective_s * per_batch,
+        "collective_share": collective_s / device_s if device_s > 0 else 0.0,
+        "handoff_gap_ms": float(np.percentile(gaps, 50)) if gaps else 0.0,
+        "handoff_batches": len(gaps),
+        "phase_ms_per_batch": {p: s * per_batch for p, s in phase_s.items()},
     }
 
 

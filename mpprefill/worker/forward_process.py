@@ -233,26 +233,8 @@ def _own_copy(sampling: SamplingBatchInfo) -> SamplingBatchInfo:
 
 def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> None:
     """`endpoints`: the scheduler's request channel and its reply channel."""
-    name = "worker" if setup.tp_store is None else f"worker{setup.tp_rank}"
-    logging.basicConfig(
-        level=setup.config.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s {name}: %(message)s",
-    )
-    # NOTE: Ctrl-C reaches the whole process group; the scheduler owns shutdown and stops
-    # this process itself, so SIGINT is ignored here. SIGTERM still cleans up and exits.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    ipc.install_signal_cleanup((signal.SIGTERM,))
-    # The scheduler's death (even by SIGKILL, mid-forward) sends SIGTERM: the segments this
-    # process owns go with it. Its pid is never polled: another process may get it.
-    if not ipc.die_with_parent(parent, signal.SIGTERM):
-        logger.warning("scheduler went away before the forward process started")
-        sys.exit(1)
+    _start_process(setup, parent)
     cfg = setup.config
-    set_torch_threads(forward_threads(cfg))
-    sys.setswitchinterval(cfg.switch_interval_ms / 1e3)  # as in the scheduler's process
-    if cfg.trace_dir:
-        set_tracer(Tracer("worker", enabled=True))
-    profile_control.serve_control()  # /start_profile and /stop_profile reach this process there
     requests = ipc.Channel(endpoints[0], bind=False, peer_pid=parent, peer_is_parent=True)
     replies = ipc.Channel(endpoints[1], bind=False, peer_pid=parent, peer_is_parent=True)
     watch = GcWatch().install()  # its pauses show as spans in a trace
@@ -288,6 +270,31 @@ def worker_main(setup: WorkerSetup, endpoints: tuple[str, str], parent: int) -> 
         replies.close(linger_s=1.0)
         requests.close()
     sys.exit(code)
+
+
+def _start_process(setup: WorkerSetup, parent: int) -> None:
+    """Logging, signals, the tie to the scheduler's life, threads, tracing and the profile
+    control socket: what the process needs before it builds anything."""
+    name = "worker" if setup.tp_store is None else f"worker{setup.tp_rank}"
+    logging.basicConfig(
+        level=setup.config.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {name}: %(message)s",
+    )
+    # NOTE: Ctrl-C reaches the whole process group; the scheduler owns shutdown and stops
+    # this process itself, so SIGINT is ignored here. SIGTERM still cleans up and exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ipc.install_signal_cleanup((signal.SIGTERM,))
+    # The scheduler's death (even by SIGKILL, mid-forward) sends SIGTERM: the segments this
+    # process owns go with it. Its pid is never polled: another process may get it.
+    if not ipc.die_with_parent(parent, signal.SIGTERM):
+        logger.warning("scheduler went away before the forward process started")
+        sys.exit(1)
+    cfg = setup.config
+    set_torch_threads(forward_threads(cfg))
+    sys.setswitchinterval(cfg.switch_interval_ms / 1e3)  # as in the scheduler's process
+    if cfg.trace_dir:
+        set_tracer(Tracer("worker", enabled=True))
+    profile_control.serve_control()  # /start_profile and /stop_profile reach this process there
 
 
 def _setup(settings: WorkerConfig, setup: WorkerSetup, parent: int):
