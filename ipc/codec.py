@@ -17,6 +17,7 @@ import msgspec
 
 T = TypeVar("T")
 Format = Literal["json", "msgpack"]
+ERROR_CHARS = 320  # of a decode error's text: it may quote any value the frame held
 
 
 class MessageError(ValueError):
@@ -46,6 +47,7 @@ class Codec(Generic[T]):
     def __init__(self, kind: Any, fmt: Format = "json"):
         lib = msgspec.json if fmt == "json" else msgspec.msgpack
         self.kind = kind
+        self.fmt = fmt
         self.types = frozenset(getattr(kind, "__args__", (kind,)))
         self._encoder = lib.Encoder()
         self._decoder = lib.Decoder(kind)
@@ -63,11 +65,21 @@ class Codec(Generic[T]):
         try:
             return self._decoder.decode(data)
         except msgspec.ValidationError as e:
-            raise MessageError(str(e)) from None
+            raise MessageError(_cut(str(e))) from None
         except (msgspec.DecodeError, RecursionError) as e:
-            raise MessageError(f"undecodable frame: {e}") from None
+            raise MessageError(f"frame is not {_NAMES[self.fmt]} ({_cut(str(e))})") from None
 
 
+def _cut(text: str, limit: int = ERROR_CHARS) -> str:
+    """`text` at most `limit` characters, its middle dropped: a peer's value quoted in it
+    is cut, the field's path at its end kept."""
+    if len(text) <= limit:
+        return text
+    half = (limit - 5) // 2
+    return f"{text[:half]} ... {text[-half:]}"
+
+
+_NAMES = {"json": "JSON", "msgpack": "msgpack"}
 _REGISTRY: dict[str, type] = {}
 _mailbox: Codec | None = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from ipc.codec import MessageError
 from mpprefill import protocol
 
 
@@ -58,7 +59,7 @@ def test_generate_frame_refuses_bad_decode_fields():
         ({"bootstrap_host": "h" * 300}, "bootstrap_host"),
         ({"stream": 1}, "stream"),
     ]:
-        with pytest.raises(protocol.ProtocolError, match=field):
+        with pytest.raises(MessageError, match=field):
             protocol.parse_frame(json.dumps(base | extra).encode())
 
 
