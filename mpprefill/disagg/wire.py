@@ -202,9 +202,10 @@ class Bootstrap(Tagged, tag="bootstrap"):
     dtype: Str = ""  # the prefill's KV pool dtype ("": not named)
 
     def __post_init__(self) -> None:
-        # NOTE: start < stop relates two items of a pair: no type says it.
-        if any(start >= stop for start, stop in self.kv_heads):
-            raise ValueError(
+        # NOTE: start < stop relates two items of a pair: no type says it. (Its length is
+        # checked again for a Bootstrap made here rather than decoded.)
+        if any(len(r) != 2 or r[0] >= r[1] for r in self.kv_heads):
+            raise MessageError(
                 f"kv_heads must hold [start, stop] pairs, start < stop: {quote(self.kv_heads)}"
             )
 
