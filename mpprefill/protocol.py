@@ -28,6 +28,7 @@ The server's ROUTER (`bind_server_socket`), and why each limit is there:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Union
@@ -185,11 +186,27 @@ def parse_frame(frame: bytes | memoryview) -> AnyRequest:
 
 
 def _readable_rid(frame: bytes | memoryview) -> str | None:
+    """The rid of a frame that is no request. NOTE: Python's json reads what msgspec refuses
+    (NaN, Infinity), so a frame holding them still gets its reply to its rid."""
     try:
         rid = _HEAD.decode(frame).rid
     except (msgspec.DecodeError, RecursionError):
-        return sniff_rid(bytes(frame[:SNIFF_BYTES]))
+        try:
+            obj = json.loads(bytes(frame))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return sniff_rid(bytes(frame[:SNIFF_BYTES]))
+        rid = obj.get("rid") if isinstance(obj, dict) else None
+        if isinstance(rid, str) and not _utf8(rid):
+            rid = None  # a lone surrogate (Python's json reads one) cannot go back in a reply
     return rid if isinstance(rid, str) and rid else None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def sniff_rid(head: bytes) -> str | None:
