@@ -36,9 +36,9 @@ class MessageError(ValueError):
         self.room = room
 
 
-class Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
-    """The base of every message: unknown fields refused, defaults left out of a frame,
-    immutable once made."""
+class Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The base of every message: unknown fields refused, immutable once made. A family of
+    messages whose frames leave out fields at their defaults says `omit_defaults=True`."""
 
 
 class Codec(Generic[T]):

@@ -94,8 +94,9 @@ PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")
 # ---- client -> server ------------------------------------------------------------------
 
 
-class Request(Message, tag_field="type"):
-    """A frame a client sends; its `type` key names the kind."""
+class Request(Message, tag_field="type", omit_defaults=True):
+    """A frame a client sends; its `type` key names the kind, a field at its default is
+    left out."""
 
 
 class Generate(Request, tag="generate"):
@@ -278,8 +279,9 @@ def request_frame(msg: AnyRequest) -> bytes:
 # ---- server -> client ------------------------------------------------------------------
 
 
-class Reply(Message, tag_field="status"):
-    """A server's reply; its `status` key names the kind."""
+class Reply(Message, tag_field="status", omit_defaults=True):
+    """A server's reply; its `status` key names the kind, a field at its default (no
+    logprobs, no code) is left out."""
 
 
 class DoneReply(Reply, tag="done"):

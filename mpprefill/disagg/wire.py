@@ -2,9 +2,9 @@
 transfer backend, and their one codec (`encode`, `decode`).
 
 One JSON object per ZeroMQ frame; nothing is pickled. Every message but the router reply
-carries a "type"; the router reply has the shape of the server's reply to its client. A
-field at its default is left out of a frame. (JSON rather than msgpack: these frames are a
-few hundred bytes, where the two cost the same, and the router speaks JSON.)
+carries a "type" and every field; the router reply has the shape of the server's reply to
+its client. (JSON rather than msgpack: these frames are a few hundred bytes, where the two
+cost the same, and the router speaks JSON.)
 
   sender -> receiver      type              fields
   router -> decode        register          rid, bootstrap_room, input_ids
@@ -185,7 +185,9 @@ class Register(Tagged, tag="register"):
     input_ids: Annotated[list[Int], msgspec.Meta(min_length=1)]
 
 
-class RouterReply(codec.Message):
+class RouterReply(codec.Message, omit_defaults=True):
+    """A done reply has no error key, an error reply only its error (null keys left out)."""
+
     rid: Str
     status: Literal["done", "error"]
     first_token: Int | None = None

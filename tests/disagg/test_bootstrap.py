@@ -81,10 +81,12 @@ def test_each_room_goes_to_the_decode_that_registered_it(pool, receivers, backen
                 rt.register(f"q{r}", r, p.ids)
                 rt.sync()
             # room 0 registered before its request reaches the prefill, room 1 after
-            assert reg.register(rooms[0], receivers[0].address) == {  # no null keys
+            assert reg.register(rooms[0], receivers[0].address) == {
                 "type": "room_reply",
                 "room": rooms[0],
                 "ok": True,
+                "error": None,
+                "code": None,
             }
             s0 = backend.create_sender(FakeReq("q0", rooms[0], len(prompts[0].ids)))
             s1 = backend.create_sender(FakeReq("q1", rooms[1], len(prompts[1].ids)))
@@ -200,7 +202,7 @@ def test_a_request_refused_before_its_sender_refuses_its_room(pool, receivers, r
         assert wait_settled(s)
         reply = reg.register(aborted, address)
         assert reply["ok"] is False and "aborted by client" in reply["error"]
-        assert "code" not in reply  # a sender's failure: no status of the prefill's
+        assert reply["code"] is None  # a sender's failure: no status of the prefill's
         kept = b.create_sender(FakeReq("kept", live, 20))
         b.refuse(live, "duplicate rid while the first is live")  # another request's room
         assert reg.register(live, address)["ok"] is True

@@ -57,9 +57,9 @@ def test_router_reply_shapes():
         "rid": "a", "status": "error", "error": "x"}  # fmt: skip
 
 
-def test_defaults_are_left_out_of_a_frame():
-    assert json.loads(wire.encode(wire.TransferDone(7, 42, 2))) == {
-        "type": "transfer_done", "room": 7, "first_token": 42, "num_pages": 2}  # fmt: skip
+def test_a_frame_carries_every_field():
+    assert json.loads(wire.encode(wire.Ack(7, True))) == {
+        "type": "ack", "room": 7, "ok": True, "error": None, "instance": ""}  # fmt: skip
     assert json.loads(wire.encode(wire.Ping())) == {"type": "ping"}
 
 
