@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ipc.bundle import SharedBundle, open_bundle
-    from ipc.codec import CodecError, decode, encode, message
+    from ipc.codec import Codec, Message, MessageError, decode, encode, message
     from ipc.events import EventTimeout, ShmEvent
     from ipc.handle import TensorHandle
     from ipc.mailbox import Channel, MailboxError, MailboxFull, MailboxTimeout, PeerDied
@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 _HOMES = {
     "SharedBundle": "ipc.bundle",
     "open_bundle": "ipc.bundle",
-    "CodecError": "ipc.codec",
+    "Codec": "ipc.codec",
+    "Message": "ipc.codec",
+    "MessageError": "ipc.codec",
     "decode": "ipc.codec",
     "encode": "ipc.codec",
     "message": "ipc.codec",
@@ -81,11 +83,13 @@ __all__ = [
     "SharedBundle",
     "open_bundle",
     "Channel",
-    "CodecError",
+    "Codec",
     "EventTimeout",
     "MailboxError",
     "MailboxFull",
     "MailboxTimeout",
+    "Message",
+    "MessageError",
     "PeerDied",
     "SharedTensor",
     "ShmEvent",

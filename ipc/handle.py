@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import torch
+
+from ipc.codec import Message, MessageError
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -41,8 +43,11 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-@dataclass(frozen=True, slots=True)
-class TensorHandle:
+DtypeName = Literal[tuple(_DTYPES)]
+Extent = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class TensorHandle(Message):
     """Where a shared tensor lives and how to view it.
 
     kind: "shm" (POSIX shared memory; `name` is the segment name) or "cuda"
@@ -51,38 +56,28 @@ class TensorHandle:
     The encoded size depends only on the rank, never on the tensor's size.
     """
 
-    kind: str
+    kind: Literal["shm", "cuda"]
     name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int = 0
-    nbytes: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    dtype: DtypeName
+    shape: tuple[Extent, ...]
+    offset: Extent = 0
+    nbytes: Extent = 0
+    extra: dict[str, Any] = {}
 
     @property
     def key(self) -> tuple:
         return (self.kind, self.name, self.dtype, self.shape, self.offset)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "shape": list(self.shape)}
+        return {f: getattr(self, f) for f in self.__struct_fields__} | {"shape": list(self.shape)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TensorHandle:
-        if d.get("kind") not in ("shm", "cuda"):
-            raise ValueError(f"bad tensor handle kind: {d.get('kind')!r}")
-        shape = tuple(int(s) for s in d["shape"])
-        if any(s < 0 for s in shape):
-            raise ValueError(f"bad tensor handle shape: {shape}")
-        dtype_from_name(d["dtype"])
-        return cls(
-            kind=d["kind"],
-            name=str(d["name"]),
-            dtype=d["dtype"],
-            shape=shape,
-            offset=int(d.get("offset", 0)),
-            nbytes=int(d.get("nbytes", 0)),
-            extra=dict(d.get("extra", {})),
-        )
+    def from_dict(cls, d: Any) -> TensorHandle:
+        """A handle from its `to_dict` form; ValueError (a MessageError) naming the bad field."""
+        try:
+            return msgspec.convert(d, cls)
+        except msgspec.ValidationError as e:
+            raise MessageError(f"bad tensor handle: {e}") from None
 
 
 def b64(data: bytes) -> str:

@@ -28,15 +28,15 @@ The server's ROUTER (`bind_server_socket`), and why each limit is there:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, Union
 
+import msgspec
 import zmq
 
+from ipc.codec import Codec, Message, MessageError
 from mpprefill.sampling.params import SamplingParams
 from mpprefill.sampling.token_logprob import TokenLogprob
 
@@ -46,6 +46,7 @@ MAX_RID_CHARS = 256
 MAX_ERROR_CHARS = 1024
 MAX_ROOM = 2**63 - 1
 MAX_HOST_CHARS = 255  # bootstrap rooms are int64 on every transfer backend
+MAX_PATH_CHARS = 4096
 REPLY_HWM = 8192
 REQUEST_HWM = 256
 SNIFF_BYTES = 1024  # head of an oversize frame searched for its rid
@@ -83,90 +84,130 @@ ABORTED = "aborted by client"  # the reason of a request its client aborted
 # generate ever fails with it, so a front drops it instead of routing it to a request.
 UNKNOWN_RID = "unknown rid"
 
+Rid = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_RID_CHARS)]
+Room = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]
+Host = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_CHARS)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Activity = Literal["CPU", "GPU", "MEM"]  # SGLang's torch profiler activities
+PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")
 
-class ProtocolError(ValueError):
-    """A frame the server will not act on; `rid` is set when one could be read."""
-
-    def __init__(self, message: str, rid: str | None = None, code: int = Code.BAD_REQUEST):
-        super().__init__(message)
-        self.rid = rid
-        self.code = code
+# ---- client -> server ------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Generate:
-    rid: str
+class Request(Message, tag_field="type", omit_defaults=True):
+    """A frame a client sends; its `type` key names the kind, a field at its default is
+    left out."""
+
+
+class Generate(Request, tag="generate"):
+    rid: Rid
     input_ids: list[int]
-    sampling_params: SamplingParams
-    bootstrap_room: int | None
+    # NOTE: decoded as the frame's JSON object, then SamplingParams.from_dict in
+    # __post_init__: its ranges and its refusal of unknown keys are SamplingParams' own
+    # rules, which msgspec does not apply to a dataclass. Holds a SamplingParams once made.
+    sampling_params: Any = None
+    bootstrap_room: Room | None = None
     # Where the prefill that computes this room's KV serves its bootstrap endpoint (a decode
     # side's request; the prefill side ignores them, as SGLang's does).
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
+    bootstrap_host: Host | None = None
+    bootstrap_port: Port | None = None
     stream: bool = False  # the decode side sends "partial" replies as tokens come
 
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    rid: str
-
-
-@dataclass(frozen=True, slots=True)
-class Stats:
-    rid: str | None = None  # echoed in the reply when given
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling_params, SamplingParams):
+            params = SamplingParams.from_dict(self.sampling_params)
+            msgspec.structs.force_setattr(self, "sampling_params", params)
 
 
-@dataclass(frozen=True, slots=True)
-class FlushCache:
+class Abort(Request, tag="abort"):
+    rid: Rid
+
+
+class Stats(Request, tag="stats"):
+    rid: Rid | None = None  # echoed in the reply when given
+
+
+class FlushCache(Request, tag="flush_cache"):
     """Drop the prefix cache, only while no request is live (SGLang's /flush_cache)."""
 
-    rid: str | None = None
+    rid: Rid | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class StartProfile:
+class StartProfile(Request, tag="start_profile"):
     """Trace the scheduler and forward processes into `output_dir` until StopProfile, or
     for `num_steps` forwards when given; `activities` (SGLang's) run torch's profiler in
-    the forward's process too (none: spans only)."""
+    the forward's process too (none: spans only; null: CPU and GPU)."""
 
-    rid: str | None
-    output_dir: str
-    num_steps: int | None = None
-    activities: tuple[str, ...] = ("CPU", "GPU")
+    rid: Rid | None
+    output_dir: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH_CHARS)]
+    num_steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    activities: tuple[Activity, ...] | None = ("CPU", "GPU")
 
-
-@dataclass(frozen=True, slots=True)
-class StopProfile:
-    rid: str | None = None
-
-
-PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")  # SGLang's torch profiler activities
-MAX_PATH_CHARS = 4096
+    def __post_init__(self) -> None:
+        if self.activities is None:
+            msgspec.structs.force_setattr(self, "activities", ("CPU", "GPU"))
 
 
-def parse_frame(frame: bytes | memoryview) -> Generate | Abort | Stats:
-    """Parse one frame; ProtocolError (with the rid when readable) for anything unusable."""
+class StopProfile(Request, tag="stop_profile"):
+    rid: Rid | None = None
+
+
+AnyRequest = Union[Generate, Abort, Stats, FlushCache, StartProfile, StopProfile]  # noqa: UP007
+REQUESTS: Codec[AnyRequest] = Codec(AnyRequest, "json")
+
+
+class _Head(msgspec.Struct):
+    """What an unusable frame may still show: its rid (other keys are skipped unread)."""
+
+    rid: Any = None
+
+
+_HEAD = msgspec.json.Decoder(_Head)
+
+
+class _BootstrapFields(Message):
+    bootstrap_room: Room | None = None
+    bootstrap_host: Host | None = None
+    bootstrap_port: Port | None = None
+
+
+def parse_frame(frame: bytes | memoryview) -> AnyRequest:
+    """Parse one frame; MessageError (with the rid when readable, and the `code` of its
+    error reply) for anything unusable."""
     if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(
+        raise MessageError(
             f"frame of {len(frame)} bytes exceeds the limit of {MAX_FRAME_BYTES} bytes",
             sniff_rid(bytes(frame[:SNIFF_BYTES])),
             Code.TOO_LARGE,
         )
     try:
-        obj = json.loads(bytes(frame))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        head = bytes(frame[:SNIFF_BYTES])
-        raise ProtocolError("frame is not JSON (or nests too deeply)", sniff_rid(head)) from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("frame is not a JSON object")
-    rid = obj.get("rid") if isinstance(obj.get("rid"), str) else None
-    kind = obj.get("type")
-    parser = _PARSERS.get(kind) if isinstance(kind, str) else None
-    if parser is None:
-        raise ProtocolError(f"unknown message type {_short(kind)}", rid)
-    if rid is not None and len(rid) > MAX_RID_CHARS:
-        raise ProtocolError(f"rid longer than {MAX_RID_CHARS} characters", rid)
-    return parser(obj, rid)
+        return REQUESTS.decode(frame)
+    except MessageError as e:
+        raise MessageError(str(e), _readable_rid(frame), Code.BAD_REQUEST) from None
+
+
+def _readable_rid(frame: bytes | memoryview) -> str | None:
+    """The rid of a frame that is no request. NOTE: Python's json reads what msgspec refuses
+    (NaN, Infinity), so a frame holding them still gets its reply to its rid."""
+    try:
+        rid = _HEAD.decode(frame).rid
+    except (msgspec.DecodeError, RecursionError):
+        try:
+            obj = json.loads(bytes(frame))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return sniff_rid(bytes(frame[:SNIFF_BYTES]))
+        rid = obj.get("rid") if isinstance(obj, dict) else None
+        if isinstance(rid, str) and not _utf8(rid):
+            rid = None  # a lone surrogate (Python's json reads one) cannot go back in a reply
+    return rid if isinstance(rid, str) and rid else None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def sniff_rid(head: bytes) -> str | None:
@@ -175,78 +216,20 @@ def sniff_rid(head: bytes) -> str | None:
     if m is None:
         return None
     try:
-        rid = json.loads(m.group(1))
-    except (UnicodeDecodeError, ValueError):
+        rid = msgspec.json.decode(m.group(1))
+    except msgspec.DecodeError:
         return None
     return rid if isinstance(rid, str) and rid else None
 
 
 def bootstrap_error(room: Any, host: Any, port: Any) -> str | None:
     """Why these bootstrap fields (None: not given) are not ones a server takes, or None."""
-    if room is not None and (type(room) is not int or not 0 <= room <= MAX_ROOM):
-        return "bootstrap_room must be an integer in [0, 2**63)"
-    if host is not None and (not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS):
-        return f"bootstrap_host must be a string of 1 to {MAX_HOST_CHARS} characters"
-    if port is not None and (type(port) is not int or not 0 < port < 65536):
-        return "bootstrap_port must be an integer in [1, 65535]"
-    return None
-
-
-def _generate(obj: dict[str, Any], rid: str | None) -> Generate:
-    if not rid:
-        raise ProtocolError("generate needs a non-empty string rid")
-    ids = obj.get("input_ids")
-    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-        raise ProtocolError("input_ids must be a list of integers", rid)
-    room = obj.get("bootstrap_room")
-    host = obj.get("bootstrap_host")
-    port = obj.get("bootstrap_port")
-    why = bootstrap_error(room, host, port)
-    if why is not None:
-        raise ProtocolError(why, rid)
-    stream = obj.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ProtocolError("stream must be a boolean", rid)
+    fields = {"bootstrap_room": room, "bootstrap_host": host, "bootstrap_port": port}
     try:
-        params = SamplingParams.from_dict(obj.get("sampling_params"))
-    except (ValueError, TypeError) as e:
-        raise ProtocolError(f"sampling_params: {e}", rid) from None
-    unknown = set(obj) - _GENERATE_FIELDS
-    if unknown:
-        raise ProtocolError(f"unknown fields {_short(sorted(unknown))}", rid)
-    return Generate(rid, ids, params, room, host, port, stream)
-
-
-def _abort(obj: dict[str, Any], rid: str | None) -> Abort:
-    if not rid:
-        raise ProtocolError("abort needs a string rid")
-    return Abort(rid)
-
-
-def _start_profile(obj: dict[str, Any], rid: str | None) -> StartProfile:
-    out = obj.get("output_dir")
-    if not isinstance(out, str) or not 0 < len(out) <= MAX_PATH_CHARS:
-        raise ProtocolError("start_profile needs an output_dir string", rid)
-    steps = obj.get("num_steps")
-    if steps is not None and (type(steps) is not int or steps < 1):
-        raise ProtocolError("num_steps must be a positive integer or null", rid)
-    acts = obj.get("activities")
-    acts = ["CPU", "GPU"] if acts is None else acts
-    if not isinstance(acts, list) or not all(a in PROFILE_ACTIVITIES for a in acts):
-        raise ProtocolError(f"activities must be a list of {PROFILE_ACTIVITIES}", rid)
-    return StartProfile(rid, out, steps, tuple(acts))
-
-
-# A generate frame holds its type and Generate's fields, under their names.
-_GENERATE_FIELDS = frozenset(("type", *(f.name for f in dataclasses.fields(Generate))))
-_PARSERS = {
-    "generate": _generate,
-    "abort": _abort,
-    "stats": lambda o, rid: Stats(rid),
-    "flush_cache": lambda o, rid: FlushCache(rid),
-    "start_profile": _start_profile,
-    "stop_profile": lambda o, rid: StopProfile(rid),
-}
+        msgspec.convert(fields, _BootstrapFields)
+    except msgspec.ValidationError as e:
+        return str(e)
+    return None
 
 
 def generate_frame(
@@ -259,7 +242,8 @@ def generate_frame(
     stream: bool = False,
 ) -> bytes:
     """A client's generate frame: greedy unless `sampling_params` says otherwise; no
-    `bootstrap_*` or `stream` key when none is given."""
+    `bootstrap_*` or `stream` key when none is given. The client's sampling_params go as
+    given (a Generate would check them here: the server does, and answers)."""
     # NOTE: rid right after type, so `sniff_rid` can read it from an oversize frame's head.
     msg: dict[str, Any] = {"type": "generate", "rid": rid, "input_ids": input_ids}
     msg["sampling_params"] = sampling_params or {"temperature": 0.0}
@@ -271,20 +255,63 @@ def generate_frame(
     msg.update((k, v) for k, v in optional.items() if v is not None)
     if stream:
         msg["stream"] = True
-    return _dump(msg)
+    return _JSON.encode(msg)
 
 
 def abort_frame(rid: str) -> bytes:
-    return _dump({"type": "abort", "rid": rid})
+    return REQUESTS.encode(Abort(rid))
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    """repr() for an error message, cut so a hostile value cannot bloat the reply."""
-    return _cut(repr(value), limit)
+# The requests a front sends by kind, with a rid and the fields its body gave.
+CONTROLS: dict[str, type[Request]] = {
+    "stats": Stats,
+    "flush_cache": FlushCache,
+    "start_profile": StartProfile,
+    "stop_profile": StopProfile,
+}
 
 
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def request_frame(msg: AnyRequest) -> bytes:
+    """Any request but a generate (whose sampling_params `generate_frame` sends as given)."""
+    return REQUESTS.encode(msg)
+
+
+# ---- server -> client ------------------------------------------------------------------
+
+
+class Reply(Message, tag_field="status", omit_defaults=True):
+    """A server's reply; its `status` key names the kind, a field at its default (no
+    logprobs, no code) is left out."""
+
+
+class DoneReply(Reply, tag="done"):
+    rid: str
+    first_token: int
+    prompt_tokens: int
+    cached_tokens: int
+    output_ids: list[int]
+    completion_tokens: int
+    finish_reason: dict[str, Any]
+    output_token_logprobs: list[float | None] | None = None
+    output_top_logprobs: list[list[list]] | None = None
+
+
+class PartialReply(Reply, tag="partial"):
+    rid: str
+    output_ids: list[int]
+    output_token_logprobs: list[float | None] | None = None
+    output_top_logprobs: list[list[list]] | None = None
+
+
+class ErrorReply(Reply, tag="error"):
+    rid: str | None  # always sent, null when the frame showed none
+    error: str
+    code: int | None = None
+
+
+AnyReply = Union[DoneReply, PartialReply, ErrorReply]  # noqa: UP007
+REPLIES: Codec[AnyReply] = Codec(AnyReply, "json")
+_JSON = msgspec.json.Encoder()
 
 
 def done_reply(
@@ -304,19 +331,17 @@ def done_reply(
     output_ids = [first_token] if output_ids is None else output_ids
     if finish_reason is None:
         finish_reason = {"type": "length", "length": len(output_ids)}
-    return _dump(
-        {
-            "rid": rid,
-            "status": "done",
-            "first_token": first_token,
-            "prompt_tokens": prompt_tokens,
-            "cached_tokens": cached_tokens,
-            "output_ids": output_ids,
-            "completion_tokens": len(output_ids),
-            "finish_reason": finish_reason,
-            **_logprob_fields(logprobs, top_logprobs),
-        }
+    reply = DoneReply(
+        rid,
+        first_token,
+        prompt_tokens,
+        cached_tokens,
+        output_ids,
+        len(output_ids),
+        finish_reason,
+        *_logprob_fields(logprobs, top_logprobs),
     )
+    return REPLIES.encode(reply)
 
 
 def partial_reply(
@@ -328,40 +353,41 @@ def partial_reply(
     """A streamed request's tokens generated since its previous reply; its last reply is a
     done (or error) reply, which repeats every token. Logprobs as in `done_reply`, of these
     tokens."""
-    reply = {"rid": rid, "status": "partial", "output_ids": output_ids}
-    return _dump({**reply, **_logprob_fields(logprobs, top_logprobs)})
+    return REPLIES.encode(PartialReply(rid, output_ids, *_logprob_fields(logprobs, top_logprobs)))
 
 
-def _logprob_fields(logprobs: Sequence[TokenLogprob] | None, top: bool) -> dict[str, Any]:
+def _logprob_fields(logprobs: Sequence[TokenLogprob] | None, top: bool) -> tuple[Any, Any]:
     """`output_token_logprobs` (a float per token; null where unknown) and, with `top`,
     `output_top_logprobs` (per token a list of [token_id, logprob] pairs, best first)."""
     if logprobs is None:
-        return {}
-    out: dict[str, Any] = {"output_token_logprobs": [t.logprob for t in logprobs]}
-    if top:
-        out["output_top_logprobs"] = [t.top for t in logprobs]
-    return out
+        return None, None
+    return [t.logprob for t in logprobs], [t.top for t in logprobs] if top else None
 
 
 def error_reply(rid: str | None, error: str, code: int | None = None) -> bytes:
-    """NOTE: the rid and the reason are cut, so a reply stays small whatever was sent.
-    Without a `code` the reply has none (a client then reads the status from the reason)."""
+    """NOTE: the rid and the reason are cut (not refused: they may come from any frame), so
+    a reply stays small whatever was sent. Without a `code` the reply has none (a client
+    then reads the status from the reason)."""
     rid = rid[:MAX_RID_CHARS] if rid is not None else None
-    out = {"rid": rid, "status": "error", "error": _cut(error, MAX_ERROR_CHARS)}
-    if code is not None:
-        out["code"] = code
-    return _dump(out)
+    return REPLIES.encode(ErrorReply(rid, _cut(error, MAX_ERROR_CHARS), code))
 
 
 def control_reply(rid: str | None, kind: str, ok: bool, message: str, **extra: Any) -> bytes:
     """The reply to flush_cache, start_profile or stop_profile: `status` is the message's
-    type, `success` whether it was done, `message` why not (or what was written)."""
+    type, `success` whether it was done, `message` why not (or what was written).
+    NOTE: an object, not a Reply: its extra keys differ by kind and by server."""
     head = {"rid": rid} if rid is not None else {}
-    return _dump({**head, "status": kind, "success": ok, "message": message, **extra})
+    return _JSON.encode({**head, "status": kind, "success": ok, "message": message, **extra})
 
 
-def _dump(obj: dict) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+def stats_reply(rid: str | None, stats: dict[str, Any]) -> bytes:
+    """The reply to stats: the server's figures (an open object, as `control_reply`)."""
+    head = {"rid": rid} if rid is not None else {}
+    return _JSON.encode({**head, "status": "stats", **stats})
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def bind_server_socket(ctx: zmq.Context, host: str, port: int) -> zmq.Socket:

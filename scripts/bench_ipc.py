@@ -17,7 +17,6 @@ import os
 import statistics
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -28,8 +27,7 @@ SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 
 
 @ipc.message
-@dataclass
-class Ping:
+class Ping(ipc.Message, tag=True):
     seq: int
     handle: ipc.TensorHandle | None = None
 

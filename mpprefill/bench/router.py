@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from mpprefill import protocol
 from mpprefill.bench.workload import RequestSpec
+from mpprefill.disagg import wire
 
 
 def dealer(ctx: zmq.Context, port: int) -> zmq.Socket:
@@ -68,8 +69,7 @@ class Router:
 
     def send_register(self, rid: str, room: int, input_ids: list[int]) -> None:
         """Tell the decode side which request will fill `room`."""
-        msg = {"type": "register", "rid": rid, "bootstrap_room": room, "input_ids": input_ids}
-        self.decode.send(json.dumps(msg).encode())
+        self.decode.send(wire.encode(wire.Register(rid, room, input_ids)))
 
     def send_generate(self, rid: str, input_ids: list[int], room: int) -> None:
         self.prefill.send(protocol.generate_frame(rid, input_ids, bootstrap_room=room))
@@ -108,7 +108,7 @@ class Router:
         finished = 0
         while True:
             try:
-                reply = json.loads(sock.recv(flags=zmq.NOBLOCK))
+                reply = msgspec.json.decode(sock.recv(flags=zmq.NOBLOCK))
             except zmq.Again:
                 return finished
             r = results.get(reply.get("rid"))

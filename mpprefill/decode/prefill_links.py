@@ -18,6 +18,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ipc.codec import MessageError
 from mpprefill.disagg import wire
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class PrefillLinks:
     def _parse(self, endpoint: str, frame: bytes) -> wire.RoomReply | None:
         try:
             msg = wire.decode(frame)
-        except wire.WireError as e:
+        except MessageError as e:
             logger.warning("bad frame from the prefill endpoint %s: %s", endpoint, e)
             return None
         if isinstance(msg, wire.RoomReply) and msg.room in self._rooms[endpoint]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from ipc.codec import MessageError
 from mpprefill.decode.args import DecodeArgs
 from mpprefill.decode.delay import TransferDelay
 from mpprefill.decode.verify import KVVerifier
@@ -229,7 +230,7 @@ class DecodeReceiver:
         ident, frame = frames
         try:
             msg = wire.decode(frame)
-        except wire.WireError as e:
+        except MessageError as e:
             logger.warning("malformed frame: %s", e)
             reply = wire.RouterReply(e.rid, "error", error=str(e)) if e.rid else None
             self._send(ident, reply or wire.ErrorReply(f"malformed frame: {e}", e.room))

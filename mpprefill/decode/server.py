@@ -32,6 +32,7 @@ from pathlib import Path
 
 import zmq
 
+from ipc.codec import MessageError
 from mpprefill import ports, protocol
 from mpprefill.decode.args import DecodeArgs
 from mpprefill.decode.delay import TransferDelay
@@ -214,15 +215,14 @@ class DecodeServer:
                 continue
             try:
                 msg = protocol.parse_frame(frames[0])
-            except protocol.ProtocolError as e:
+            except MessageError as e:
                 self._send(ident, protocol.error_reply(e.rid, str(e)))
                 continue
             self._handle(ident, msg)
 
     def _handle(self, ident: bytes, msg) -> None:
         if isinstance(msg, protocol.Stats):
-            rid = {"rid": msg.rid} if msg.rid is not None else {}
-            self._send(ident, json.dumps({**rid, "status": "stats", **self.stats()}).encode())
+            self._send(ident, protocol.stats_reply(msg.rid, self.stats()))
         elif isinstance(msg, protocol.Abort):
             self._abort(ident, msg.rid)
         elif isinstance(msg, protocol.Generate):

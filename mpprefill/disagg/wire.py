@@ -2,7 +2,9 @@
 transfer backend, and their one codec (`encode`, `decode`).
 
 One JSON object per ZeroMQ frame; nothing is pickled. Every message but the router reply
-carries a "type"; the router reply has the shape of the server's reply to its client.
+carries a "type" and every field; the router reply has the shape of the server's reply to
+its client. (JSON rather than msgpack: these frames are a few hundred bytes, where the two
+cost the same, and the router speaks JSON.)
 
   sender -> receiver      type              fields
   router -> decode        register          rid, bootstrap_room, input_ids
@@ -47,18 +49,21 @@ register_room and abort, in frames of at most MAX_REGISTRATION_BYTES; an address
 
 Bounds: a frame is at most MAX_FRAME_BYTES (both sockets of the link set it as their
 ZeroMQ MAXMSGSIZE), an integer fits int64, a string MAX_STR characters, and an error
-quotes a bad value in at most QUOTE_CHARS characters.
+quotes a bad value in at most QUOTE_CHARS characters. They are the fields' types (`Int`,
+`Str`), checked as a frame is decoded; an error names the offending field (`$.room`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
 
+import msgspec
+
+from ipc import codec
+from ipc.codec import Codec, MessageError
 from mpprefill.sampling.params import MAX_TOP_LOGPROBS
 
 MAX_FRAME_BYTES = 16 << 20  # a register frame of a prompt of ~2M tokens
@@ -72,6 +77,15 @@ ADDRESS_RE = re.compile(
 QUOTE_CHARS = 80
 MAX_HEAD_RANGES = 1024  # KV head ranges in a bootstrap: one per tensor-parallel rank at most
 
+Int = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
+Str = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
+HeadRange = Annotated[list[Int], msgspec.Meta(min_length=2, max_length=2)]  # [start, stop)
+TopPair = tuple[Int, float]  # (token_id, logprob)
+
+# NOTE: WireError goes once its last users (transfer, bootstrap_server) catch MessageError.
+WireError = MessageError
+
 
 def brief(text: str, limit: int = 2 * QUOTE_CHARS) -> str:
     """An error text from or about a peer, cut to `limit` characters."""
@@ -83,25 +97,25 @@ def quote(v: Any) -> str:
     return brief(repr(v), QUOTE_CHARS)
 
 
-class WireError(ValueError):
-    """A frame that is not a valid message; rid/room are kept when they were readable."""
-
-    def __init__(self, message: str, rid: str | None = None, room: int | None = None):
-        super().__init__(message)
-        self.rid = rid
-        self.room = room
+def check_address(v: Any, name: str = "address") -> str:
+    """`v` if it is host:port, port in [1, 65535] (a flag's or a peer's value); MessageError,
+    a ValueError, otherwise."""
+    m = ADDRESS_RE.fullmatch(v) if isinstance(v, str) else None
+    if m is None or not 0 < int(m["port"]) < 65536:
+        raise MessageError(f"{name} must be host:port, got {quote(v)}")
+    return v
 
 
 @dataclass(frozen=True, slots=True)
 class PoolLayout:
     """Shape of a KV pool as both sides see it: [2, num_layers, num_slots, heads, head_dim]."""
 
-    dtype: str
-    num_layers: int
-    num_slots: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
+    dtype: Str
+    num_layers: Positive
+    num_slots: Positive
+    num_kv_heads: Positive
+    head_dim: Positive
+    page_size: Positive
 
     @classmethod
     def of(cls, buffer: Any, page_size: int, num_layers: int | None = None) -> PoolLayout:
@@ -120,11 +134,11 @@ class PoolLayout:
 
     @classmethod
     def from_dict(cls, d: Any) -> PoolLayout:
-        if not isinstance(d, dict):
-            raise WireError("pool layout must be an object")
-        kw = {f.name: d.get(f.name) for f in dataclasses.fields(cls)}
-        checks = {k: _str if k == "dtype" else lambda v, k: _int(v, k, minimum=1) for k in kw}
-        return cls(**{k: checks[k](v, f"layout.{k}") for k, v in kw.items()})
+        """A layout from its `to_dict` form (other keys ignored); MessageError otherwise."""
+        try:
+            return msgspec.convert(d, cls)
+        except msgspec.ValidationError as e:
+            raise MessageError(f"pool layout: {e}") from None
 
     def mismatch(self, other: PoolLayout) -> str | None:
         """Why pages of `self` cannot be copied into `other` (None when they can)."""
@@ -161,299 +175,163 @@ def dtype_error(prefill_dtype: str, decode_dtype: str) -> str | None:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Register:
-    rid: str
-    bootstrap_room: int
-    input_ids: list[int]
+class Tagged(codec.Message, tag_field="type"):
+    """A wire message with a "type" key: every one but the router reply."""
 
 
-@dataclass(frozen=True, slots=True)
-class RouterReply:
-    rid: str
-    status: str  # "done" | "error"
-    first_token: int | None = None
+class Register(Tagged, tag="register"):
+    rid: Str
+    bootstrap_room: Int
+    input_ids: Annotated[list[Int], msgspec.Meta(min_length=1)]
+
+
+class RouterReply(codec.Message, omit_defaults=True):
+    """A done reply has no error key, an error reply only its error (null keys left out)."""
+
+    rid: Str
+    status: Literal["done", "error"]
+    first_token: Int | None = None
     verified: bool | None = None
     max_abs_err: float | None = None
-    error: str | None = None
+    error: Str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Bootstrap:
-    room: int
-    tp_size: int = 1  # the prefill's tensor-parallel size
-    kv_heads: list[list[int]] = field(default_factory=list)  # [start, stop) per pool written
-    dtype: str = ""  # the prefill's KV pool dtype ("": not named)
+class Bootstrap(Tagged, tag="bootstrap"):
+    room: Int
+    tp_size: Positive = 1  # the prefill's tensor-parallel size
+    # [start, stop) per pool written
+    kv_heads: Annotated[list[HeadRange], msgspec.Meta(max_length=MAX_HEAD_RANGES)] = []
+    dtype: Str = ""  # the prefill's KV pool dtype ("": not named)
+
+    def __post_init__(self) -> None:
+        # NOTE: start < stop relates two items of a pair: no type says it. (Its length is
+        # checked again for a Bootstrap made here rather than decoded.)
+        if any(len(r) != 2 or r[0] >= r[1] for r in self.kv_heads):
+            raise MessageError(
+                f"kv_heads must hold [start, stop] pairs, start < stop: {quote(self.kv_heads)}"
+            )
 
 
-@dataclass(frozen=True, slots=True)
-class BootstrapReply:
-    room: int
-    status: str  # "ready" | "unknown" | "error"
+class BootstrapReply(Tagged, tag="bootstrap_reply"):
+    room: Int
+    status: Literal["ready", "unknown", "error"]
     pool: dict[str, Any] | None = None
-    dst_pages: list[int] = field(default_factory=list)
-    decode_prefix_len: int = 0
-    error: str | None = None
-    instance: str = ""
+    dst_pages: list[Int] = []
+    decode_prefix_len: Int = 0
+    error: Str | None = None
+    instance: Str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class TransferDone:
-    room: int
-    first_token: int
-    num_pages: int
-    instance: str = ""
+class TransferDone(Tagged, tag="transfer_done"):
+    room: Int
+    first_token: Int
+    num_pages: Int
+    instance: Str = ""
     logprob: float | None = None  # the first token's, under the request's sampling
-    top_logprobs: list[list] | None = None  # [[token_id, logprob], ...], best first
+    # [[token_id, logprob], ...], best first
+    top_logprobs: Annotated[list[TopPair], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)] | None = None
+
+    def __post_init__(self) -> None:
+        # NOTE: a pair decodes as a tuple (the one fixed-shape array msgspec checks); lists,
+        # as TokenLogprob.top holds them.
+        if self.top_logprobs and not isinstance(self.top_logprobs[0], list):
+            msgspec.structs.force_setattr(
+                self, "top_logprobs", [list(p) for p in self.top_logprobs]
+            )
 
 
-@dataclass(frozen=True, slots=True)
-class Ack:
-    room: int
+class Ack(Tagged, tag="ack"):
+    room: Int
     ok: bool
-    error: str | None = None
-    instance: str = ""
+    error: Str | None = None
+    instance: Str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Abort:
-    room: int
+class Abort(Tagged, tag="abort"):
+    room: Int
 
 
-@dataclass(frozen=True, slots=True)
-class RegisterRoom:
-    room: int
+class RegisterRoom(Tagged, tag="register_room"):
+    room: Int
     address: str  # host:port of the decode receiver that the room's KV goes to
 
+    def __post_init__(self) -> None:
+        check_address(self.address)  # NOTE: a port's range is not a pattern msgspec checks
 
-@dataclass(frozen=True, slots=True)
-class RoomReply:
-    room: int
+
+class RoomReply(Tagged, tag="room_reply"):
+    room: Int
     ok: bool
-    error: str | None = None
-    code: int | None = None  # a refused request's status at the prefill (protocol.Code)
+    error: Str | None = None
+    code: Int | None = None  # a refused request's status at the prefill (protocol.Code)
 
 
-@dataclass(frozen=True, slots=True)
-class Ping:
+class Ping(Tagged, tag="ping"):
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class Pong:
+class Pong(Tagged, tag="pong"):
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class ErrorReply:
-    error: str
-    room: int | None = None
+class ErrorReply(Tagged, tag="error"):
+    error: Str
+    room: Int | None = None
 
 
-Message = (
-    Register
-    | RouterReply
-    | Bootstrap
-    | BootstrapReply
-    | TransferDone
-    | Ack
-    | Abort
-    | RegisterRoom
-    | RoomReply
-    | Ping
-    | Pong
-    | ErrorReply
-)
-
-# ---- field checks ------------------------------------------------------------------------
-
-
-def _int(v: Any, name: str, minimum: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= MAX_INT:
-        raise WireError(f"{name} must be an integer in [{minimum}, 2**63), got {quote(v)}")
-    return v
+_Typed = Union[  # noqa: UP007
+    Register,
+    Bootstrap,
+    BootstrapReply,
+    TransferDone,
+    Ack,
+    Abort,
+    RegisterRoom,
+    RoomReply,
+    Ping,
+    Pong,
+    ErrorReply,
+]
+Message = Union[RouterReply, _Typed]  # noqa: UP007
+_TYPED: Codec[_Typed] = Codec(_Typed, "json")
+_ROUTER: Codec[RouterReply] = Codec(RouterReply, "json")
 
 
-def _str(v: Any, name: str) -> str:
-    if not isinstance(v, str) or len(v) > MAX_STR:
-        raise WireError(f"{name} must be a string of at most {MAX_STR} characters: {quote(v)}")
-    return v
+class _Ids(msgspec.Struct):
+    """What a frame that is not a message may still show (other keys are skipped unread)."""
+
+    type: Any = None
+    status: Any = None
+    rid: Any = None
+    room: Any = None
+    bootstrap_room: Any = None
 
 
-def _ints(v: Any, name: str) -> list[int]:
-    if not isinstance(v, list):
-        raise WireError(f"{name} must be a list of integers")
-    return [_int(x, name) for x in v]
-
-
-def _head_ranges(v: Any, name: str) -> list[list[int]]:
-    """[[start, stop], ...], each 0 <= start < stop, at most MAX_HEAD_RANGES of them."""
-    if not isinstance(v, list) or len(v) > MAX_HEAD_RANGES:
-        raise WireError(f"{name} must be a list of at most {MAX_HEAD_RANGES} [start, stop] pairs")
-    ranges = [_ints(r, name) for r in v]
-    if any(len(r) != 2 or r[0] >= r[1] for r in ranges):
-        raise WireError(f"{name} must hold [start, stop] pairs with start < stop: {quote(v)}")
-    return ranges
-
-
-def check_address(v: Any, name: str = "address") -> str:
-    """`v` if it is host:port, port in [1, 65535] (a flag's or a peer's value); WireError,
-    a ValueError, otherwise."""
-    m = ADDRESS_RE.fullmatch(v) if isinstance(v, str) else None
-    if m is None or not 0 < int(m["port"]) < 65536:
-        raise WireError(f"{name} must be host:port, got {quote(v)}")
-    return v
-
-
-def _tokens(v: Any, name: str) -> list[int]:
-    ids = _ints(v, name)
-    if not ids:
-        raise WireError(f"{name} must not be empty")
-    return ids
-
-
-def _choice(*allowed: str) -> Callable[[Any, str], str]:
-    def check(v: Any, name: str) -> str:
-        if v not in allowed:
-            raise WireError(f"{name} must be one of {allowed}, got {quote(v)}")
-        return v
-
-    return check
-
-
-def _optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    return lambda v, name: None if v is None else check(v, name)
-
-
-def _typed(*types: type) -> Callable[[Any, str], Any]:
-    """Exactly these JSON types (a bool is not a number here)."""
-
-    def check(v: Any, name: str) -> Any:
-        if isinstance(v, bool) != (bool in types) or not isinstance(v, types):
-            raise WireError(f"{name} must be {'/'.join(t.__name__ for t in types)}: {quote(v)}")
-        return v
-
-    return check
-
-
-_bool, _float, _object = _typed(bool), _typed(int, float), _typed(dict)
-
-
-def _top_logprobs(v: Any, name: str) -> list[list]:
-    """[[token_id, logprob], ...], at most MAX_TOP_LOGPROBS pairs."""
-    if not isinstance(v, list) or len(v) > MAX_TOP_LOGPROBS:
-        raise WireError(f"{name} must be a list of at most {MAX_TOP_LOGPROBS} pairs")
-    for pair in v:
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise WireError(f"{name} must hold [token_id, logprob] pairs: {quote(pair)}")
-        _int(pair[0], name)
-        _float(pair[1], name)
-    return v
-
-
-_S = {
-    "register": (Register, {"rid": _str, "bootstrap_room": _int, "input_ids": _tokens}),
-    "bootstrap": (
-        Bootstrap,
-        {
-            "room": _int,
-            "tp_size": lambda v, n: _int(v, n, minimum=1),
-            "kv_heads": _head_ranges,
-            "dtype": _str,
-        },
-    ),
-    "bootstrap_reply": (
-        BootstrapReply,
-        {
-            "room": _int,
-            "status": _choice("ready", "unknown", "error"),
-            "pool": _optional(_object),
-            "dst_pages": _ints,
-            "decode_prefix_len": _int,
-            "error": _optional(_str),
-            "instance": _str,
-        },
-    ),
-    "transfer_done": (
-        TransferDone,
-        {
-            "room": _int,
-            "first_token": _int,
-            "num_pages": _int,
-            "instance": _str,
-            "logprob": _optional(_float),
-            "top_logprobs": _optional(_top_logprobs),
-        },
-    ),
-    "ack": (Ack, {"room": _int, "ok": _bool, "error": _optional(_str), "instance": _str}),
-    "abort": (Abort, {"room": _int}),
-    "register_room": (RegisterRoom, {"room": _int, "address": check_address}),
-    "room_reply": (
-        RoomReply,
-        {"room": _int, "ok": _bool, "error": _optional(_str), "code": _optional(_int)},
-    ),
-    "ping": (Ping, {}),
-    "pong": (Pong, {}),
-    "error": (ErrorReply, {"error": _str, "room": _optional(_int)}),
-}
-_ROUTER_REPLY = {
-    "rid": _str,
-    "status": _choice("done", "error"),
-    "first_token": _optional(_int),
-    "verified": _optional(_bool),
-    "max_abs_err": _optional(_float),
-    "error": _optional(_str),
-}
-_TYPES = {cls: name for name, (cls, _) in _S.items()}
+_IDS = msgspec.json.Decoder(_Ids)
 
 # ---- codec ---------------------------------------------------------------------------------
 
 
 def encode(msg: Message) -> bytes:
-    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    if isinstance(msg, RouterReply):
-        keep = ("first_token", "verified", "max_abs_err") if msg.status == "done" else ("error",)
-        body = {"rid": msg.rid, "status": msg.status, **{k: body[k] for k in keep}}
-    else:
-        body = {"type": _TYPES[type(msg)], **body}
-    return json.dumps(body, separators=(",", ":")).encode()
+    return (_ROUTER if type(msg) is RouterReply else _TYPED).encode(msg)
 
 
 def decode(frame: bytes) -> Message:
-    """Parse and validate one frame; WireError (with rid/room when readable) otherwise."""
+    """Parse and validate one frame; MessageError (with rid/room when readable) otherwise."""
     try:
-        obj = json.loads(frame)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise WireError(f"frame is not JSON: {type(e).__name__}") from None
-    if not isinstance(obj, dict):
-        raise WireError("frame is not a JSON object")
+        return _TYPED.decode(frame)
+    except MessageError as e:
+        error = e
     try:
-        return _build(obj)
-    except WireError as e:
-        raise WireError(str(e), *_readable_ids(obj)) from None
-
-
-def _build(obj: dict[str, Any]) -> Message:
-    kind = obj.get("type")
-    if kind is None and "status" in obj and "rid" in obj:
-        cls, schema = RouterReply, _ROUTER_REPLY
-    elif isinstance(kind, str) and kind in _S:
-        cls, schema = _S[kind]
-    else:
-        raise WireError(f"unknown message type {quote(kind)}")
-    required = {f.name for f in dataclasses.fields(cls) if _required(f)}
-    missing = sorted(required - set(obj))
-    if missing:
-        raise WireError(f"{kind or 'reply'}: missing fields {missing}")
-    return cls(**{name: check(obj[name], name) for name, check in schema.items() if name in obj})
-
-
-def _required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-
-
-def _readable_ids(obj: dict[str, Any]) -> tuple[str | None, int | None]:
-    rid = obj.get("rid") if isinstance(obj.get("rid"), str) else None
-    room = obj.get("room", obj.get("bootstrap_room"))
-    ok_room = isinstance(room, int) and not isinstance(room, bool) and room >= 0
-    return rid, room if ok_room else None
+        ids = _IDS.decode(frame)
+    except (msgspec.DecodeError, RecursionError):
+        raise error from None
+    if ids.type is None and ids.status is not None:
+        try:
+            return _ROUTER.decode(frame)
+        except MessageError as e:
+            error = e
+    rid = ids.rid if isinstance(ids.rid, str) else None
+    room = ids.room if ids.room is not None else ids.bootstrap_room
+    ok_room = type(room) is int and room >= 0
+    raise MessageError(str(error), rid, room=room if ok_room else None) from None

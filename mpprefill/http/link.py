@@ -10,13 +10,13 @@ or control request that carries a rid echoes it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -111,7 +111,7 @@ class SchedulerLink:
     async def control(self, kind: str, timeout: float, **fields: Any) -> dict[str, Any]:
         """One request of `kind` (stats, flush_cache, start_profile, ...) and its reply."""
         rid = f"{kind}-{uuid.uuid4().hex}"
-        frame = json.dumps({"type": kind, "rid": rid, **fields}).encode()
+        frame = protocol.request_frame(protocol.CONTROLS[kind](rid=rid, **fields))
         self._controls.add(rid)
         try:
             return await self._request(rid, frame, timeout)
@@ -154,7 +154,7 @@ class SchedulerLink:
         while True:
             frame = await self.sock.recv()
             try:
-                reply = json.loads(frame)
+                reply = msgspec.json.decode(frame)
             except ValueError:
                 logger.warning("unreadable reply from the scheduler (%d bytes)", len(frame))
                 continue

@@ -18,6 +18,7 @@ import time
 
 import zmq
 
+from ipc.codec import MessageError
 from mpprefill import ports, protocol
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.sender import TransferDied
@@ -138,7 +139,7 @@ class PrefillServer:
         data = frame.bytes if len(frame) <= protocol.MAX_FRAME_BYTES else frame.buffer
         try:
             msg = protocol.parse_frame(data)
-        except protocol.ProtocolError as e:
+        except MessageError as e:
             self._bad(ident, e.rid, str(e), e.code)
             return
         self._handle(ident, msg)
@@ -154,8 +155,7 @@ class PrefillServer:
         if isinstance(msg, protocol.Generate):
             self._admit(ident, msg)
         elif isinstance(msg, protocol.Stats):
-            rid = {"rid": msg.rid} if msg.rid is not None else {}
-            self._send(ident, json.dumps({**rid, "status": "stats", **self.stats()}).encode())
+            self._send(ident, protocol.stats_reply(msg.rid, self.stats()))
         elif isinstance(msg, protocol.Abort):
             self._abort(ident, msg.rid)
         elif isinstance(msg, protocol.FlushCache):

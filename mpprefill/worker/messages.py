@@ -1,26 +1,25 @@
-"""Scheduler <-> forward-process messages. Small, fixed-size, never pickled."""
+"""Scheduler <-> forward-process messages. Small, fixed-size, never pickled: the mailboxes
+carry them as msgpack (ipc.codec), tagged by class name."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
-from ipc import TensorHandle, message
+from ipc import Message, TensorHandle, message
 
 
 @message
-@dataclass(slots=True)
-class Ready:
+class Ready(Message, tag=True):
     """Worker -> scheduler once the model and the KV pool exist."""
 
     pid: int
     kv: TensorHandle
     result: dict[str, TensorHandle]
-    model_config: dict
+    model_config: dict[str, Any]
 
 
 @message
-@dataclass(slots=True)
-class Submit:
+class Submit(Message, tag=True):
     """One forward: which staging slot, how much of each field is valid (the worker
     opened both slots' handles once, at start)."""
 
@@ -35,14 +34,12 @@ class Submit:
 
 
 @message
-@dataclass(slots=True)
-class Sample:
+class Sample(Message, tag=True):
     seq: int
 
 
 @message
-@dataclass(slots=True)
-class Done:
+class Done(Message, tag=True):
     """The forward (or sample) is issued; its results are readable once the event
     "result_ready" reached its generation (at once on the CPU; at `end_ns` on the
     emulated accelerator)."""
@@ -57,12 +54,10 @@ class Done:
 
 
 @message
-@dataclass(slots=True)
-class Failed:
+class Failed(Message, tag=True):
     error: str
 
 
 @message
-@dataclass(slots=True)
-class Exit:
+class Exit(Message, tag=True):
     reason: str = ""

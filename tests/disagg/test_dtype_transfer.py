@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from ipc.codec import MessageError
 from mpprefill import protocol
 from mpprefill.bench.procs import free_port
 from mpprefill.config import ServerArgs
@@ -103,7 +104,7 @@ def test_the_bootstrap_names_the_pool_dtype():
     msg = wire.Bootstrap(7, 2, [[0, 1], [1, 2]], "bfloat16")
     assert wire.decode(wire.encode(msg)) == msg
     assert wire.decode(b'{"type":"bootstrap","room":7}').dtype == ""  # a prefill of before
-    with pytest.raises(wire.WireError, match="dtype"):
+    with pytest.raises(MessageError, match="dtype"):
         wire.decode(b'{"type":"bootstrap","room":7,"dtype":16}')
     assert wire.dtype_error("", "float32") is None
     assert wire.dtype_error("bfloat16", "bfloat16") is None

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from ipc.codec import MessageError
 from mpprefill import protocol
 from mpprefill.config import ServerArgs
 from mpprefill.decode.args import DecodeArgs
@@ -257,7 +258,7 @@ def test_bootstrap_carries_the_head_ranges():
     assert wire.decode(wire.encode(msg)) == msg
     assert wire.decode(b'{"type":"bootstrap","room":7}') == wire.Bootstrap(7, 1, [])
     for bad in ([[1, 1]], [[0]], [[0, -1]], "0-1"):
-        with pytest.raises(wire.WireError, match="kv_heads"):
+        with pytest.raises(MessageError, match="kv_heads"):
             wire.decode(wire.encode(wire.Bootstrap(7, 2, bad)))
     assert wire.head_tiling_error([[0, 2], [2, 4]], 4, 2) is None
     assert wire.head_tiling_error([[2, 4], [0, 2]], 4, 4) is None

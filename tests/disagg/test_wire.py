@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from ipc.codec import MessageError
 from mpprefill.decode.args import DecodeArgs
 from mpprefill.decode.command import add_decode_args
 from mpprefill.disagg import wire
@@ -46,11 +47,40 @@ def test_round_trip(msg):
 
 
 def test_router_reply_shapes():
+    """A field at its default (null) is left out; the reader takes a missing one as null."""
     done = json.loads(wire.encode(wire.RouterReply("a", "done", 5, None, None)))
-    assert done == {"rid": "a", "status": "done", "first_token": 5, "verified": None,
-                    "max_abs_err": None}  # fmt: skip
+    assert done == {"rid": "a", "status": "done", "first_token": 5}
+    done = json.loads(wire.encode(wire.RouterReply("a", "done", 5, False, 0.5)))
+    assert done == {"rid": "a", "status": "done", "first_token": 5, "verified": False,
+                    "max_abs_err": 0.5}  # fmt: skip
     assert json.loads(wire.encode(wire.RouterReply("a", "error", error="x"))) == {
         "rid": "a", "status": "error", "error": "x"}  # fmt: skip
+
+
+def test_a_frame_carries_every_field():
+    assert json.loads(wire.encode(wire.Ack(7, True))) == {
+        "type": "ack", "room": 7, "ok": True, "error": None, "instance": ""}  # fmt: skip
+    assert json.loads(wire.encode(wire.Ping())) == {"type": "ping"}
+
+
+@pytest.mark.parametrize(
+    "obj, field",
+    [
+        ({"type": "abort", "room": 1, "extra": 2}, "extra"),
+        ({"type": "abort", "room": 2**63}, "room"),
+        ({"type": "ack", "room": 1, "ok": True, "instance": "i" * (wire.MAX_STR + 1)}, "instance"),
+        ({"type": "bootstrap", "room": 1, "tp_size": 0}, "tp_size"),
+        ({"type": "bootstrap", "room": 1, "kv_heads": [[0, 2, 4]]}, "kv_heads"),
+        ({"type": "bootstrap", "room": 1, "kv_heads": [[2, 2]]}, "kv_heads"),
+        ({"type": "register_room", "room": 1, "address": "h:0"}, "address"),
+        ({"type": "room_reply", "room": 1, "ok": False, "code": -1}, "code"),
+        ({"rid": "r", "status": "maybe"}, "status"),
+    ],
+)
+def test_an_error_names_the_offending_field(obj, field):
+    with pytest.raises(MessageError, match=field) as e:
+        wire.decode(json.dumps(obj).encode())
+    assert e.value.room == obj.get("room")
 
 
 @pytest.mark.parametrize(
@@ -68,14 +98,14 @@ def test_router_reply_shapes():
     ],
 )
 def test_invalid_messages_keep_readable_ids(obj, rid, room):
-    with pytest.raises(wire.WireError) as e:
+    with pytest.raises(MessageError) as e:
         wire.decode(json.dumps(obj).encode())
     assert (e.value.rid, e.value.room) == (rid, room)
 
 
 @pytest.mark.parametrize("frame", [b"", b"\xff\xfe", b"nope", b"[]", b"3", b'"s"'])
 def test_non_objects_are_refused(frame):
-    with pytest.raises(wire.WireError):
+    with pytest.raises(MessageError):
         wire.decode(frame)
 
 
@@ -96,7 +126,7 @@ def test_transfer_done_logprobs_are_checked(extra):
     of before, or a request that asked none) still decodes."""
     frame = {"type": "transfer_done", "room": 4, "first_token": 1, "num_pages": 2}
     assert wire.decode(json.dumps(frame).encode()) == wire.TransferDone(4, 1, 2)
-    with pytest.raises(wire.WireError) as e:
+    with pytest.raises(MessageError) as e:
         wire.decode(json.dumps({**frame, **extra}).encode())
     assert e.value.room == 4
 
@@ -107,7 +137,7 @@ def test_pool_layout():
     assert LAYOUT.mismatch(wire.PoolLayout("float32", 4, 999, 2, 32, 16)) is None
     assert "page_size" in LAYOUT.mismatch(wire.PoolLayout("float32", 4, 64, 2, 32, 8))
     assert wire.PoolLayout.of(torch.zeros(2, 4, 64, 2, 32), 16) == LAYOUT
-    with pytest.raises(wire.WireError):
+    with pytest.raises(MessageError):
         wire.PoolLayout.from_dict({**LAYOUT.to_dict(), "num_layers": 0})
 
 

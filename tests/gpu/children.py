@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 import ipc
@@ -14,11 +12,10 @@ SLEEP_CYCLES = 400_000_000  # a few hundred ms of device time
 
 
 @ipc.message
-@dataclass
-class GpuNote:
+class GpuNote(ipc.Message, tag=True):
     seq: int
     text: str = ""
-    handles: dict[str, ipc.TensorHandle] = field(default_factory=dict)
+    handles: dict[str, ipc.TensorHandle] = {}
     event: str = ""
 
 

@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -15,8 +14,7 @@ import ipc
 
 
 @ipc.message
-@dataclass
-class Note:
+class Note(ipc.Message, tag=True):
     seq: int
     text: str = ""
     handle: ipc.TensorHandle | None = None

@@ -4,6 +4,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 
 import ipc
@@ -86,11 +87,37 @@ def test_codec_rejects_unknown_and_unregistered():
     class Loose:
         x: int
 
-    with pytest.raises(ipc.CodecError):
+    class Untagged(ipc.Message):
+        x: int
+
+    with pytest.raises(ipc.MessageError, match="Loose"):
         ipc.encode(Loose(1))
-    with pytest.raises(ipc.CodecError):
-        ipc.decode(b'{"t":"Note","b":{"seq":1,"evil":2}}')
-    with pytest.raises(ipc.CodecError):
-        ipc.decode(b"\x80\x04not json")
-    with pytest.raises(ipc.CodecError):
+    with pytest.raises(TypeError, match="tagged"):
+        ipc.message(Untagged)
+    evil = msgspec.msgpack.encode({"type": "Note", "seq": 1, "evil": 2})
+    with pytest.raises(ipc.MessageError, match="evil"):
+        ipc.decode(evil)
+    with pytest.raises(ipc.MessageError, match="seq"):
+        ipc.decode(msgspec.msgpack.encode({"type": "Note", "seq": "1"}))
+    with pytest.raises(ipc.MessageError, match="type"):
+        ipc.decode(msgspec.msgpack.encode({"type": "Nope", "seq": 1}))
+    with pytest.raises(ipc.MessageError):
+        ipc.decode(b"\xc1not msgpack")
+    with pytest.raises(ipc.MessageError):
         ipc.encode(Note(1, text=object()))  # type: ignore[arg-type]
+
+
+def test_codec_round_trips_a_handle():
+    h = ipc.TensorHandle("shm", "seg", "int64", (3, 4), 8, 96)
+    data = ipc.encode(Note(5, "x", h))
+    assert ipc.decode(data) == Note(5, "x", h)
+    assert msgspec.msgpack.decode(ipc.encode(Note(7))) == {
+        "type": "Note",
+        "seq": 7,
+        "text": "",
+        "handle": None,
+    }
+    bad = msgspec.msgpack.decode(data)
+    bad["handle"]["shape"] = [3, -4]
+    with pytest.raises(ipc.MessageError, match=r"handle\.shape"):
+        ipc.decode(msgspec.msgpack.encode(bad))

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import signal
 
+import msgspec
 import pytest
 import torch
 
@@ -50,8 +51,10 @@ def test_handle_and_message_size_constant(prefix):
     for nbytes in (1 << 10, 1 << 20, 16 << 20, 64 << 20):
         with ipc.SharedTensor.create((nbytes // 4,), torch.float32, prefix) as st:
             h = st.handle
-            # Only the name's counter and the size digits may differ between tensors.
-            varying = len(h.name) + len(str(h.shape[0])) + len(str(h.nbytes))
+            # Only the name and the sizes' encodings (msgpack: 1 to 9 bytes by magnitude)
+            # may differ between tensors.
+            sizes = (h.name, h.shape[0], h.nbytes)
+            varying = sum(len(msgspec.msgpack.encode(v)) for v in sizes)
             fixed.add(len(ipc.encode(Note(1, "x", h))) - varying)
     assert len(fixed) == 1
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from ipc.codec import MessageError
 from mpprefill import protocol
 
 
@@ -58,7 +61,7 @@ def test_generate_frame_refuses_bad_decode_fields():
         ({"bootstrap_host": "h" * 300}, "bootstrap_host"),
         ({"stream": 1}, "stream"),
     ]:
-        with pytest.raises(protocol.ProtocolError, match=field):
+        with pytest.raises(MessageError, match=field):
             protocol.parse_frame(json.dumps(base | extra).encode())
 
 
@@ -82,3 +85,29 @@ def test_done_and_partial_replies():
 
 def test_abort_frame_parses_back():
     assert protocol.parse_frame(protocol.abort_frame("r3")) == protocol.Abort("r3")
+
+
+def test_a_refused_frame_keeps_a_rid_it_can_send_back():
+    """msgspec refuses NaN, which Python's json writes: the rid still comes back; a rid with
+    a lone surrogate cannot be sent back, so the error has none."""
+    nan = json.dumps({"type": "generate", "input_ids": [float("nan")], "rid": "n1"}).encode()
+    surrogate = json.dumps({"type": "generate", "rid": "a\ud800", "input_ids": [1]}).encode()
+    for frame, rid in ((nan, "n1"), (surrogate, None)):
+        with pytest.raises(MessageError) as e:
+            protocol.parse_frame(frame)
+        assert (e.value.rid, e.value.code) == (rid, protocol.Code.BAD_REQUEST)
+        assert json.loads(protocol.error_reply(e.value.rid, str(e.value)))["rid"] == rid
+
+
+def test_requests_leave_defaults_out_and_refuse_unknown_fields():
+    assert json.loads(protocol.request_frame(protocol.Stats())) == {"type": "stats"}
+    profile = protocol.StartProfile("p", "/tmp/out")
+    assert protocol.parse_frame(protocol.request_frame(profile)) == profile
+    for obj, field in [
+        ({"type": "abort", "rid": "a", "x": 1}, "x"),
+        ({"type": "start_profile", "output_dir": "/o", "activities": ["TPU"]}, "activities"),
+        ({"type": "start_profile", "output_dir": "/o", "num_steps": 0}, "num_steps"),
+        ({"type": "generate", "rid": "r" * 257, "input_ids": [1]}, "rid"),
+    ]:
+        with pytest.raises(MessageError, match=field):
+            protocol.parse_frame(json.dumps(obj).encode())

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ipc.codec import MessageError
 from mpprefill import protocol
 from tests.reliability.helpers import Serve, dealer, recv_json, runtime_dir_of
 
@@ -116,7 +117,7 @@ def test_deep_nesting_and_multipart_get_errors_with_their_rid(server):
     sock = dealer(server.port)
     deep = b'{"rid": "deep", "type": "generate", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
     sock.send(deep)
-    reply = {"rid": "deep", "status": "error", "error": _not_json(), "code": 400}
+    reply = {"rid": "deep", "status": "error", "error": _error_of(deep), "code": 400}
     assert recv_json(sock, 10) == reply
     sock.send_multipart([json.dumps({"type": "stats", "rid": "mp"}).encode(), b"x"])
     reply = recv_json(sock, 10)
@@ -124,9 +125,10 @@ def test_deep_nesting_and_multipart_get_errors_with_their_rid(server):
     sock.close(linger=0)
 
 
-def _not_json() -> str:
+def _error_of(frame: bytes) -> str:
     try:
-        protocol.parse_frame(b"[" * 100_000)
-    except protocol.ProtocolError as e:
+        protocol.parse_frame(frame)
+    except MessageError as e:
+        assert e.rid == "deep"
         return str(e)
     raise AssertionError("deep nesting parsed")
