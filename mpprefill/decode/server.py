@@ -32,8 +32,9 @@ from pathlib import Path
 
 import zmq
 
+import mpprefill.protocol as protocol
 from ipc.codec import MessageError
-from mpprefill import ports, protocol
+from mpprefill import ports
 from mpprefill.decode.args import DecodeArgs
 from mpprefill.decode.delay import TransferDelay
 from mpprefill.decode.generate import Generator

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from ipc.codec import MessageError
 from mpprefill.disagg import wire
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class BootstrapEndpoint:
             return None
         try:
             msg = wire.decode(frames[1])
-        except wire.WireError as e:
+        except MessageError as e:
             self.refuse(ident, e.room, f"malformed registration: {e}")
             return None
         if not isinstance(msg, (wire.RegisterRoom, wire.Abort)):

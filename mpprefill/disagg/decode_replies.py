@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+from ipc.codec import MessageError
 from mpprefill.disagg import wire
 from mpprefill.disagg.decode_links import DecodeLink
 from mpprefill.disagg.live_rooms import LiveRooms
@@ -36,7 +37,7 @@ class DecodeReplies:
         """Apply one frame from `link`; a bootstrap reply that readies its sender comes back."""
         try:
             msg = wire.decode(frame)
-        except wire.WireError as e:
+        except MessageError as e:
             logger.warning("bad frame from the decode at %s: %s", link.address, e)
             s = self.rooms.on_link(link, e.room)
             if s is not None:

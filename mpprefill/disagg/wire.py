@@ -83,9 +83,6 @@ Str = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
 HeadRange = Annotated[list[Int], msgspec.Meta(min_length=2, max_length=2)]  # [start, stop)
 TopPair = tuple[Int, float]  # (token_id, logprob)
 
-# NOTE: WireError goes once its last users (transfer, bootstrap_server) catch MessageError.
-WireError = MessageError
-
 
 def brief(text: str, limit: int = 2 * QUOTE_CHARS) -> str:
     """An error text from or about a peer, cut to `limit` characters."""

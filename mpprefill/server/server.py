@@ -18,8 +18,9 @@ import time
 
 import zmq
 
+import mpprefill.protocol as protocol
 from ipc.codec import MessageError
-from mpprefill import ports, protocol
+from mpprefill import ports
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.sender import TransferDied
 from mpprefill.http.child import HttpFrontProcess
