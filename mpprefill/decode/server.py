@@ -33,7 +33,6 @@ from pathlib import Path
 import zmq
 
 import mpprefill.protocol as protocol
-from ipc.codec import MessageError
 from mpprefill import ports
 from mpprefill.decode.args import DecodeArgs
 from mpprefill.decode.delay import TransferDelay
@@ -43,6 +42,7 @@ from mpprefill.decode.receiver import DecodeReceiver, Room
 from mpprefill.decode.verify import load_decode_model
 from mpprefill.disagg import wire
 from mpprefill.http.child import HttpFrontProcess
+from mpprefill.request_socket import RequestSocket
 from mpprefill.sampling.token_logprob import UNKNOWN, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -124,16 +124,15 @@ class DecodeServer:
         self.poller = zmq.Poller()
         try:
             with ports.binding(args.zmq_host, args.zmq_listen):
-                zmq_port = args.zmq_listen.port
-                self.sock = protocol.bind_server_socket(self.ctx, args.zmq_host, zmq_port)
+                self.clients = RequestSocket(self.ctx, args.zmq_host, args.zmq_listen.port)
         except ports.PortUnavailable:
             self.rx.close()
             self.ctx.term()
             raise
-        self.zmq_port = self._port_of(self.sock)
+        self.zmq_port = self.clients.port
         own = f"{args.advertised_host}:{self.rx.port}"
         self.links = PrefillLinks(self.ctx, self.poller, own)
-        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.clients.sock, zmq.POLLIN)
         self.poller.register(self.rx.sock, zmq.POLLIN)
         if args.http_listen is not None:
             self._start_front()
@@ -151,10 +150,6 @@ class DecodeServer:
         listener = ports.listen_or_close(self.args.host, self.args.http_listen, self.close)
         self.front = HttpFrontProcess(self.args, self.zmq_port, listener)
 
-    @staticmethod
-    def _port_of(sock: zmq.Socket) -> int:
-        return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-
     # ---- loop ----------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
@@ -169,7 +164,7 @@ class DecodeServer:
             self.rx.read()
         self.rx.tick()
         self._collect()  # first: an abort read below finds its request generating or not
-        if self.sock in events:
+        if self.clients.sock in events:
             self._read_requests()
         for endpoint, reply in self.links.read(events):
             self._on_room_reply(endpoint, reply)
@@ -197,7 +192,7 @@ class DecodeServer:
             self.generator.close()
         self.rx.close()
         self.links.close()
-        self.sock.close(linger=1000)
+        self.clients.close()
         self.ctx.term()
         if self.front is not None:
             self.front.stop()
@@ -205,20 +200,7 @@ class DecodeServer:
     # ---- requests ------------------------------------------------------------------------
 
     def _read_requests(self) -> None:
-        for _ in range(MAX_FRAMES_PER_POLL):
-            try:
-                parts = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            ident, frames = parts[0], parts[1:]
-            if len(frames) != 1:
-                self._send(ident, protocol.error_reply(None, "one JSON frame per message"))
-                continue
-            try:
-                msg = protocol.parse_frame(frames[0])
-            except MessageError as e:
-                self._send(ident, protocol.error_reply(e.rid, str(e)))
-                continue
+        for ident, msg in self.clients.read(MAX_FRAMES_PER_POLL)[1]:
             self._handle(ident, msg)
 
     def _handle(self, ident: bytes, msg) -> None:
@@ -405,6 +387,7 @@ class DecodeServer:
             "running": gen.num_running if gen is not None else 0,
             "waiting": gen.num_waiting if gen is not None else 0,
             "load": self._load(rx),
+            "counters": self.clients.counters(),
             **rx,
         }
 
@@ -422,7 +405,4 @@ class DecodeServer:
         return {"num_reqs": len(self.requests), "num_waiting_reqs": waiting, "num_tokens": held}
 
     def _send(self, ident: bytes, payload: bytes) -> None:
-        try:
-            self.sock.send_multipart([ident, payload], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            logger.warning("dropped a reply to a client: %s", e.strerror)
+        self.clients.send(ident, payload)

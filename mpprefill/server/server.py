@@ -19,12 +19,12 @@ import time
 import zmq
 
 import mpprefill.protocol as protocol
-from ipc.codec import MessageError
 from mpprefill import ports
 from mpprefill.config import ServerArgs
 from mpprefill.disagg.sender import TransferDied
 from mpprefill.http.child import HttpFrontProcess
 from mpprefill.protocol import ABORTED, UNKNOWN_RID, Code
+from mpprefill.request_socket import RequestSocket
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req
 from mpprefill.scheduling.scheduler import Scheduler
@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 MAX_FRAMES_PER_POLL = protocol.REQUEST_HWM
 # Bytes one poll reads before the scheduler validates what it read (one frame may cross it).
 MAX_BYTES_PER_POLL = protocol.MAX_FRAME_BYTES
-DROP_LOG_EVERY = 1000  # past the first few, one log line per this many drops or bad frames
 
 
 class PrefillServer:
@@ -55,7 +54,7 @@ class PrefillServer:
         ports.check_free(args.binds)
         self.ctx = zmq.Context()
         with ports.binding(args.zmq_host, args.zmq_listen):
-            self.sock = protocol.bind_server_socket(self.ctx, args.zmq_host, args.zmq_listen.port)
+            self.clients = RequestSocket(self.ctx, args.zmq_host, args.zmq_listen.port)
         signals.install(self._on_signal, self._exit_now)
         if args.trace_dir:
             set_tracer(Tracer("scheduler", enabled=True))
@@ -65,7 +64,7 @@ class PrefillServer:
                 self.transfer = _make_transfer(args, self.worker)
         except ports.PortUnavailable:  # taken since the check above
             self.worker.close()
-            self.sock.close(linger=0)
+            self.clients.close(linger_ms=0)
             self.ctx.term()
             raise
         self.scheduler = Scheduler(
@@ -78,14 +77,13 @@ class PrefillServer:
             wait_for_requests=self._wait,
         )
         self._poller = zmq.Poller()  # the socket, and the worker's death where it has one
-        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.clients.sock, zmq.POLLIN)
         if self.worker.sentinel is not None:
             self._poller.register(self.worker.sentinel, zmq.POLLIN)
         if args.record_batches:
             self.scheduler.metrics.batch_shapes = []
         self._owner: dict[str, bytes] = {}  # rid -> client identity, until replied
         self._arriving: dict[str, Req] = {}  # admitted by this _recv, not yet ingested
-        self.replies_dropped = self.bad_frames = 0
         self._aborted: set[str] = set()  # rids their client aborted, until replied
         self._closing: str | None = None  # once set, every new request gets it as its error
         self._closing_code = Code.UNAVAILABLE
@@ -113,44 +111,16 @@ class PrefillServer:
 
     def _read_frames(self) -> int:
         """Handle frames until the socket is empty or one poll's frames or bytes are read."""
-        nbytes = 0
-        for n in range(MAX_FRAMES_PER_POLL):
-            if nbytes >= MAX_BYTES_PER_POLL:
-                return n
-            try:
-                parts = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return n
-            nbytes += sum(len(p) for p in parts[1:])
-            self._on_message(parts[0].bytes, parts[1:])
-        return MAX_FRAMES_PER_POLL
+        n, got = self.clients.read(MAX_FRAMES_PER_POLL, MAX_BYTES_PER_POLL)
+        for ident, msg in got:
+            self._handle(ident, msg)
+        return n
 
     def _check_worker(self) -> None:
         """WorkerDied once the worker is gone, whether or not a forward is in flight."""
         death = self.worker.death()
         if death is not None:
             raise WorkerDied(death)
-
-    def _on_message(self, ident: bytes, frames: list[zmq.Frame]) -> None:
-        if len(frames) != 1:
-            head = bytes(frames[0].buffer[: protocol.SNIFF_BYTES]) if frames else b""
-            self._bad(ident, protocol.sniff_rid(head), f"{len(frames)} frames, one expected")
-            return
-        frame = frames[0]
-        data = frame.bytes if len(frame) <= protocol.MAX_FRAME_BYTES else frame.buffer
-        try:
-            msg = protocol.parse_frame(data)
-        except MessageError as e:
-            self._bad(ident, e.rid, str(e), e.code)
-            return
-        self._handle(ident, msg)
-
-    def _bad(self, ident: bytes, rid: str | None, why: str, code: int = Code.BAD_REQUEST) -> None:
-        """An error reply; logged, though past the first 100 only one in DROP_LOG_EVERY."""
-        self.bad_frames += 1
-        if self.bad_frames <= 100 or self.bad_frames % DROP_LOG_EVERY == 0:
-            logger.info("bad frame (%d so far): %s", self.bad_frames, why)
-        self._send(ident, protocol.error_reply(rid, why, code))
 
     def _handle(self, ident: bytes, msg) -> None:
         if isinstance(msg, protocol.Generate):
@@ -260,13 +230,7 @@ class PrefillServer:
         return True, why, {"flushed_tokens": flushed._asdict()}
 
     def _send(self, ident: bytes, payload: bytes) -> None:
-        try:
-            self.sock.send_multipart([ident, payload], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # peer gone (EHOSTUNREACH) or not reading (EAGAIN)
-            self.replies_dropped += 1
-            if self.replies_dropped % DROP_LOG_EVERY == 1:
-                n = self.replies_dropped
-                logger.warning("dropped a reply to a client (%s); %d so far", e.strerror, n)
+        self.clients.send(ident, payload)
 
     def _wait(self, timeout: float) -> None:
         """Until a frame arrives, the worker dies (`_recv` then raises) or `timeout` passes."""
@@ -283,7 +247,7 @@ class PrefillServer:
             **scheduler_stats(self.scheduler),
         }
         out["uptime_s"] = time.monotonic() - self.t_start
-        out["counters"] |= {"replies_dropped": self.replies_dropped, "bad_frames": self.bad_frames}
+        out["counters"] |= self.clients.counters()
         out["gc"] = self.gc.to_dict()
         return out
 
@@ -331,7 +295,7 @@ class PrefillServer:
         self._closing = reason
         while max_frames > 0:
             n = self._read_frames()
-            if n == 0 and not self.sock.poll(50):
+            if n == 0 and not self.clients.sock.poll(50):
                 break
             max_frames -= max(n, 1)
         self.scheduler.reqs.fail_all(reason)
@@ -363,7 +327,7 @@ class PrefillServer:
         if self.args.record_batches:
             with open(self.args.record_batches, "w") as f:
                 json.dump(self.scheduler.metrics.batch_shapes, f)
-        self.sock.close(linger=1000)
+        self.clients.close()
         self.transfer.close()
         if self.scheduler.host_tier is not None:
             self.scheduler.host_tier.close()

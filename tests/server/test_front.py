@@ -49,7 +49,7 @@ def front():
 
 def _arrived(srv: PrefillServer) -> None:
     """Frames sent are on the server's socket (the first one, and a moment for the rest)."""
-    assert srv.sock.poll(10_000)
+    assert srv.clients.sock.poll(10_000)
     time.sleep(1.0)
 
 
@@ -67,7 +67,7 @@ def test_one_poll_reads_a_bounded_number_of_bytes(front):
     deadline = time.monotonic() + 30
     while sum(counts) < n and time.monotonic() < deadline:
         counts.append(len(srv.scheduler.recv_requests()))
-        srv.sock.poll(100)
+        srv.clients.sock.poll(100)
     assert sum(counts) == n
     assert max(counts) <= per_poll < n, counts
 
