@@ -284,9 +284,10 @@ class DecodeReceiver:
             error = f"room {msg.room} is bound to another prefill"
             self._send(ident, wire.BootstrapReply(msg.room, "error", error=error))
             return
-        error = wire.head_tiling_error(msg.kv_heads, self.layout.num_kv_heads, msg.tp_size)
+        error = wire.layout_error(msg.kv_layout, msg.kv_dim, self.layout)
+        error = error or wire.head_tiling_error(msg.kv_heads, self.layout.num_kv_heads, msg.tp_size)
         error = error or wire.dtype_error(msg.dtype, self.layout.dtype)
-        if error is not None:  # wrong heads or another dtype: nothing is written
+        if error is not None:  # another layout, wrong heads or dtype: nothing is written
             logger.warning("room %d refused: %s", msg.room, error)
             self._send(ident, wire.BootstrapReply(msg.room, "error", error=error))
             self._finish(room, wire.RouterReply(room.rid, "error", error=error))

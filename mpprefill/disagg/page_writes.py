@@ -2,7 +2,8 @@
 against the decode pool a bootstrap reply names.
 
 A send's full pages go to every shipped pool's full planes (none when every layer
-slides), its last window's SWA pages to their SWA planes; each (source pages, destination
+slides; one per layer in a latent pool, K's and V's otherwise), its last window's SWA pages
+to their SWA planes; each (source pages, destination
 pages, pool planes) is one write, done by the backend's pool writer (`_write` of
 ShmTransfer or MooncakeTransfer).
 """
@@ -39,9 +40,12 @@ class PageWrites:
         return SenderLimits(self.layout.num_pages, swa_pages, bootstrap_timeout, transfer_timeout)
 
     def bootstrap(self, room: int) -> wire.Bootstrap:
-        """The room's bootstrap: the shipped pools' head ranges and dtype."""
+        """The room's bootstrap: the shipped pools' head ranges, dtype and KV layout."""
         shipped = self.shipped
-        return wire.Bootstrap(room, shipped.tp_size, shipped.kv_heads, self.layout.dtype)
+        layout = self.layout
+        return wire.Bootstrap(
+            room, shipped.tp_size, shipped.kv_heads, layout.dtype, layout.kv_layout, layout.head_dim
+        )
 
     def moves_pages(self, cmd: TransferCmd) -> bool:
         """The send has full pages or window pages (a last send may carry neither)."""

@@ -10,7 +10,7 @@ cost the same, and the router speaks JSON.)
   router -> decode        register          rid, bootstrap_room, input_ids
   decode -> router        (none)            rid, status done|error, first_token, verified,
                                             max_abs_err | error
-  prefill -> decode       bootstrap         room, tp_size, kv_heads, dtype
+  prefill -> decode       bootstrap         room, tp_size, kv_heads, dtype, kv_layout, kv_dim
   decode -> prefill       bootstrap_reply   room, status ready|unknown|error, pool,
                                             dst_pages, decode_prefix_len, error, instance
   prefill -> decode       transfer_done     room, first_token, num_pages, instance,
@@ -38,6 +38,13 @@ heads landing at their offset in every slot.
 NOTE: dtype names the prefill's KV pool dtype ("bfloat16", ...; empty: not named, a prefill
 of before). The decode refuses a room whose dtype is not its own pool's (`dtype_error`)
 before any page is written: pages are copied byte for byte, never converted.
+
+NOTE: kv_layout names what the prefill's pool keeps per token and layer: "heads", K and V
+per KV head, of kv_dim each; or "latent", one row of kv_dim (multi-head latent attention:
+kv_lora_rank + qk_rope_head_dim) that every head's K and V are decompressed from (kv_dim 0:
+not named, a prefill of before). The decode refuses a room whose layout is not its own
+pool's (`layout_error`), naming both. A latent page is page_size rows of kv_dim per layer:
+one plane per layer, where K and V have two (plane_map.py).
 
 NOTE: `instance` names one run of a decode receiver. The prefill sends back the instance
 that answered a room's bootstrap and accepts only that instance's ack, so a receiver that
@@ -80,6 +87,7 @@ MAX_HEAD_RANGES = 1024  # KV head ranges in a bootstrap: one per tensor-parallel
 Int = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
 Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
 Str = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
+KVLayout = Literal["heads", "latent"]  # K and V per KV head, or one latent row per token
 HeadRange = Annotated[list[Int], msgspec.Meta(min_length=2, max_length=2)]  # [start, stop)
 TopPair = tuple[Int, float]  # (token_id, logprob)
 
@@ -105,7 +113,9 @@ def check_address(v: Any, name: str = "address") -> str:
 
 @dataclass(frozen=True, slots=True)
 class PoolLayout:
-    """Shape of a KV pool as both sides see it: [2, num_layers, num_slots, heads, head_dim]."""
+    """Shape of a KV pool as both sides see it: [2, num_layers, num_slots, heads, head_dim]
+    of K and V per head (kv_layout "heads"), or [1, num_layers, num_slots, 1, head_dim] of
+    one latent row per token and layer ("latent": head_dim is the row's width)."""
 
     dtype: Str
     num_layers: Positive
@@ -113,18 +123,32 @@ class PoolLayout:
     num_kv_heads: Positive
     head_dim: Positive
     page_size: Positive
+    kv_layout: KVLayout = "heads"
 
     @classmethod
-    def of(cls, buffer: Any, page_size: int, num_layers: int | None = None) -> PoolLayout:
-        """Layout of a KV buffer [2, layers, num_slots, heads, head_dim]; `num_layers`: the
-        model's, when its SWA layers sit in a pool of their own (KVCache.num_layers)."""
+    def of(
+        cls, buffer: Any, page_size: int, num_layers: int | None = None, latent: bool = False
+    ) -> PoolLayout:
+        """Layout of a KV buffer [planes, layers, num_slots, heads, head_dim]; `num_layers`:
+        the model's, when its SWA layers sit in a pool of their own (KVCache.num_layers);
+        `latent`: a latent pool's buffer (KVCache.latent)."""
         _, layers, slots, heads, dim = buffer.shape
         dtype = str(buffer.dtype).removeprefix("torch.")
-        return cls(dtype, num_layers or layers, slots, heads, dim, page_size)
+        kv_layout = "latent" if latent else "heads"
+        return cls(dtype, num_layers or layers, slots, heads, dim, page_size, kv_layout)
 
     @property
     def num_pages(self) -> int:
         return self.num_slots // self.page_size
+
+    @property
+    def latent(self) -> bool:
+        return self.kv_layout == "latent"
+
+    @property
+    def kv_text(self) -> str:
+        """What the pool keeps per token and layer, in words."""
+        return kv_text(self.kv_layout, self.head_dim, self.num_kv_heads)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -142,6 +166,27 @@ class PoolLayout:
         mine, theirs = self.to_dict(), other.to_dict()
         diff = [k for k in mine if k != "num_slots" and mine[k] != theirs[k]]
         return None if not diff else f"pool layouts differ in {diff}: {mine} vs {theirs}"
+
+
+def kv_text(kv_layout: str, kv_dim: int, num_kv_heads: int | None = None) -> str:
+    """A KV layout in words: "latent rows of 576", "K and V of 8 heads x 128"; without
+    `num_kv_heads` "K and V of 128 per head" (without `kv_dim` too, "K and V per head")."""
+    if kv_layout == "latent":
+        return f"latent rows of {kv_dim}"
+    if num_kv_heads:
+        return f"K and V of {num_kv_heads} heads x {kv_dim}"
+    return f"K and V of {kv_dim} per head" if kv_dim else "K and V per head"
+
+
+def layout_error(kv_layout: str, kv_dim: int, decode: PoolLayout) -> str | None:
+    """Why a prefill's pool of `kv_layout` rows of `kv_dim` (0: not named, a prefill of
+    before) cannot fill the pool `decode` (None: the same layout)."""
+    if kv_layout == decode.kv_layout and kv_dim in (0, decode.head_dim):
+        return None
+    return (
+        f"the prefill's KV pool keeps {kv_text(kv_layout, kv_dim)}, this decode's"
+        f" {decode.kv_text} (per token and layer): give both the same model"
+    )
 
 
 def head_tiling_error(kv_heads: list[list[int]], num_kv_heads: int, tp_size: int) -> str | None:
@@ -199,6 +244,8 @@ class Bootstrap(Tagged, tag="bootstrap"):
     # [start, stop) per pool written
     kv_heads: Annotated[list[HeadRange], msgspec.Meta(max_length=MAX_HEAD_RANGES)] = []
     dtype: Str = ""  # the prefill's KV pool dtype ("": not named)
+    kv_layout: KVLayout = "heads"  # what its pool keeps per token and layer
+    kv_dim: Int = 0  # its head_dim, or its latent row's width (0: not named)
 
     def __post_init__(self) -> None:
         # NOTE: start < stop relates two items of a pair: no type says it. (Its length is

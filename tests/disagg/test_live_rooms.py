@@ -72,11 +72,11 @@ def test_a_room_is_bootstrapped_at_once_then_again_after_a_second(parts):
     live.start(s)
     assert live.holds(s) and s.registered
     live.tick(100.0)
-    assert decode.recv() == wire.Bootstrap(7, 1, [[0, 2]], "float32")
+    assert decode.recv() == wire.Bootstrap(7, 1, [[0, 2]], "float32", "heads", 8)
     live.tick(100.9)
     assert decode.quiet()
     live.tick(101.0)
-    assert decode.recv() == wire.Bootstrap(7, 1, [[0, 2]], "float32")
+    assert decode.recv() == wire.Bootstrap(7, 1, [[0, 2]], "float32", "heads", 8)
 
 
 def test_a_duplicate_room_fails_and_a_failed_room_is_aborted_once(parts):
@@ -162,4 +162,4 @@ def test_a_waiting_registration_binds_its_room_on_start(parts):
     live.start(s)
     assert s.registered and live.address_of(7) == decode.address
     live.tick(100.0)
-    assert decode.recv() == wire.Bootstrap(7, 1, [[0, 2]], "float32")
+    assert decode.recv() == wire.Bootstrap(7, 1, [[0, 2]], "float32", "heads", 8)

@@ -64,7 +64,7 @@ def test_each_tensor_parallel_pool_writes_its_own_heads():
     writes = pages.writes(send([5], [0]))
     assert [w[2].heads for w in writes] == [range(0, 1), range(1, 2)]  # rank 1 is not read
     assert writes[0][2].view.data_ptr() == shards[0][0].buffer.data_ptr()
-    assert pages.bootstrap(9) == wire.Bootstrap(9, 3, [[0, 1], [1, 2]], "float32")
+    assert pages.bootstrap(9) == wire.Bootstrap(9, 3, [[0, 1], [1, 2]], "float32", "heads", 8)
     assert pages.layout.num_kv_heads == 2
 
 
