@@ -24,6 +24,10 @@ tokens it drew there. A batch where no sequence has a penalty builds none of it.
 Logprobs: a step computes them for the sequences that ask (return_logprob) and hands them
 over in each Output; the first token's are the prefill's, given to add().
 
+A latent-attention model (DeepSeek-V3) generates from a latent pool, one row per token and
+layer: a step is its one-token extend, which writes the input token's row and decompresses
+every key's K and V from the rows, as a prefill chunk does.
+
 Sliding-window layers read only keys inside their window (`model/attention.py`): the query at
 position p >= L sees p - W < j <= p, inside what the prefill sends (its last window, from
 `window_first_page`) and what the steps write. With a dense pool (the decode receiver's)
@@ -327,7 +331,11 @@ class Generator:
 
 
 def _check_pool(config, kv: KVCache, allocator: PagedTokenAllocator) -> None:
-    """The pool must be the model's, large enough for the allocator, SWA pools paired."""
+    """The pool must be the model's (latent for a latent model), large enough for the
+    allocator, SWA pools paired."""
+    if kv.latent != config.is_latent:
+        want = "a latent" if config.is_latent else "a K/V"
+        raise ValueError(f"the model needs {want} KV pool")
     layers, heads, dim = KVCache.model_dims(config)
     if (kv.num_layers, *kv.buffer.shape[3:]) != (layers, heads, dim):
         raise ValueError(

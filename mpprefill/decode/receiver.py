@@ -12,10 +12,13 @@ to `arrived` with its pages, which are then the server's.
 A room belongs to the connection that registered it (the router) and to the first prefill
 that bootstraps it (`Room.peer`): a bootstrap, transfer_done or abort from anyone else is
 refused. Every reply to a prefill names this run (`instance`), and a transfer_done must name
-it back. A bootstrap names the prefill's tensor-parallel size, the KV heads of each pool it
-writes and their dtype; a room whose pools do not tile this pool's heads, or hold another
-dtype than this pool's, fails at its bootstrap, before any page is written (a prefill at
-any TP size fills this pool, each pool its heads of every slot; pages are copied as bytes).
+it back. A bootstrap names the prefill's KV layout (K and V per head, or a latent model's
+one row per token), its tensor-parallel size, the KV heads of each pool it writes and their
+dtype; a room whose layout is not this pool's, whose pools do not tile this pool's heads,
+or hold another dtype than this pool's, fails at its bootstrap, before any page is written
+(a prefill at any TP size fills this pool, each pool its heads of every slot; pages are
+copied as bytes). A latent model (DeepSeek-V3) gets a latent pool, one row per token and
+layer, as its prefill keeps.
 Everything waits against a deadline: registrations for pages (`--register-timeout`), rooms
 for their KV (`--waiting-timeout`), aborted rooms for the prefill's confirmation
 (_DRAIN_S); registrations waiting are capped.
@@ -104,8 +107,9 @@ class DecodeReceiver:
         layers, heads, dim = KVCache.model_dims(config)
         num_pages = args.max_total_tokens // args.page_size
         dtypes = pool_dtypes(args, config)
+        kv_layout = "latent" if config.is_latent else "heads"
         self.layout = wire.PoolLayout(
-            dtypes.kv, layers, num_pages * args.page_size, heads, dim, args.page_size
+            dtypes.kv, layers, num_pages * args.page_size, heads, dim, args.page_size, kv_layout
         )
         # first: bad flags leak no pool
         self.verifier = KVVerifier(args, model, dtypes.kv_torch) if args.verify else None
@@ -437,7 +441,8 @@ class DecodeReceiver:
     # ---- verification --------------------------------------------------------------------
 
     def _received_kv(self, room: Room) -> torch.Tensor:
-        """A copy of the room's received KV [2, L, prompt_len, H, D]."""
+        """A copy of the room's received KV [2, L, prompt_len, H, D] (a latent pool's
+        [1, L, prompt_len, 1, D])."""
         slots = self.allocator.slots_of(room.pages)[: len(room.input_ids)]
         return self.pool.kv.gather(slots)
 

@@ -1,4 +1,5 @@
-"""The decode receiver's `--verify`: recompute a prompt's KV densely and compare.
+"""The decode receiver's `--verify`: recompute a prompt's KV densely and compare (a latent
+model's latent rows, as its pool keeps them).
 
 With sliding-window (SWA) layers the prefill sends their KV for the prompt's last window
 only, as whole pages. So SWA layers are compared in that window, and each position before
@@ -65,10 +66,12 @@ def reference_kv(
     model, input_ids: list[int], page_size: int, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """KV of one dense prefill of the whole prompt, in a pool of `dtype` (default: the
-    model's): [2, L, len(input_ids), H, D]."""
+    model's): [2, L, len(input_ids), H, D], or a latent model's rows [1, L, n, 1, D]."""
     n = len(input_ids)
     kv = KVCache.for_model(model.config, cdiv(n, page_size) * page_size, dtype=dtype)
     model(ForwardBatch.build([input_ids], [0], [list(range(n))]), kv)
+    if kv.latent:
+        return kv.gather(torch.arange(n))
     dense = torch.empty(2, kv.num_layers, n, *kv.buffer.shape[3:], dtype=kv.dtype)
     for layer in range(kv.num_layers):
         dense[0, layer], dense[1, layer] = kv.k(layer)[:n], kv.v(layer)[:n]
@@ -83,7 +86,8 @@ def compare_kv(
     received: torch.Tensor,
     kv_dtype: torch.dtype | None = None,
 ) -> tuple[bool, float]:
-    """(close enough, max abs error) of received KV [2, L, n, H, D] past `prefix_len`."""
+    """(close enough, max abs error) of received KV [2, L, n, H, D] (latent rows
+    [1, L, n, 1, D]) past `prefix_len`."""
     expected = reference_kv(model, input_ids, page_size, kv_dtype)
     return check_kv(model.config, expected, received, prefix_len, page_size)
 

@@ -3,7 +3,8 @@
 Both pools are registered with an engine (the prefill's whole KVCache.storage: its full and
 sliding-window pools; every shipped tensor-parallel pool's). The decode side describes its
 pool by session id and base address; the prefill thread writes every (K/V, layer, run of
-pages) chunk, addressed per plane, or, from a pool holding some of the KV heads, every
+pages) chunk, addressed per plane (a latent pool: every (layer, run of pages) chunk of its
+rows, one plane per layer), or, from a pool holding some of the KV heads, every
 (K/V, layer, slot) chunk of those heads.
 The peer names the session written to, so only a session on the host of the receiver that
 named it, and never the prefill's own, is accepted (`check_session`).
@@ -108,7 +109,7 @@ class MooncakePool:
         self.layout = layout
         self.engine, self.session_id = start_engine(host)
         dims = (layout.num_layers, layout.num_slots, layout.num_kv_heads, layout.head_dim)
-        self.kv = KVCache(*dims, dtype=dtype)
+        self.kv = KVCache(*dims, dtype=dtype, latent=layout.latent)
         _register(self.engine, self.kv.buffer)
         logger.info("decode pool registered with mooncake session %s", self.session_id)
 

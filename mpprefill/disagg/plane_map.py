@@ -9,6 +9,9 @@ The prefill side has one pool, or two with sliding-window (SWA) layers (KVCache.
     full           c * F + j      c * L + full_layers[j]      c: 0 for K, 1 for V
     SWA            c * S + j      c * L + swa_layers[j]
 
+A latent pool (multi-head latent attention) has one plane per layer, its rows: plane j is
+layer j on both sides, a page page_size rows of kv_lora_rank + qk_rope_head_dim.
+
 A tensor-parallel prefill has such pools per rank (rank_pools.py), each holding a range of the
 model's KV heads; in every decode slot [H, D] its heads land at that range:
 
@@ -30,11 +33,12 @@ if TYPE_CHECKING:
 
 
 def plane_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[2, L, slots, H, D] -> [2 * L, num_pages, page_size * H * D] (whole pages only)."""
-    two, layers, slots, heads, dim = buffer.shape
+    """[C, L, slots, H, D] -> [C * L, num_pages, page_size * H * D] (whole pages only); C: 2
+    (K, V), or 1 (a latent pool's rows)."""
+    c, layers, slots, heads, dim = buffer.shape
     pages = slots // page_size
-    planes = buffer.view(two * layers, slots, heads * dim)[:, : pages * page_size]
-    return planes.reshape(two * layers, pages, page_size * heads * dim)
+    planes = buffer.view(c * layers, slots, heads * dim)[:, : pages * page_size]
+    return planes.reshape(c * layers, pages, page_size * heads * dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +75,8 @@ def pool_planes(
 def _planes(buffer: torch.Tensor, layers, num_layers: int, page_size: int, heads) -> PoolPlanes:
     ids = torch.tensor(layers, dtype=torch.int64)
     view = plane_view(buffer, page_size)
-    return PoolPlanes(view, torch.cat([ids, ids + num_layers]), heads, buffer.shape[4])
+    dst = torch.cat([ids + c * num_layers for c in range(buffer.shape[0])])
+    return PoolPlanes(view, dst, heads, buffer.shape[4])
 
 
 def head_rows(remote: torch.Tensor, planes: PoolPlanes) -> torch.Tensor:

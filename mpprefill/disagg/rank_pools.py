@@ -10,6 +10,10 @@ from the same weights over the same tokens at the same slots, so the first rank 
 range ships it. The ranges shipped tile the model's heads; each bootstrap names them and
 the prefill's TP size (wire.Bootstrap), and the decode side refuses a room whose ranges do
 not tile its own pool's heads (wire.head_tiling_error).
+
+A latent pool (multi-head latent attention, one tensor-parallel rank) keeps one row per
+token and layer that every head shares: it ships as one pool of one "head", the row, and
+its layout says latent (wire.PoolLayout.kv_layout).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class ShippedKV:
             raise ValueError("no KV pool to ship")
         distinct: dict[range, KVShard] = {}
         for pool, heads in ranks:
+            # NOTE: a latent pool's row serves every head; the worker names the model's heads
+            heads = range(1) if pool.latent else heads
             distinct.setdefault(heads, KVShard(pool, heads))
         shipped = cls(len(ranks), tuple(sorted(distinct.values(), key=lambda s: s.heads.start)))
         shipped._check()
@@ -62,12 +68,10 @@ class ShippedKV:
     def layout(self, page_size: int) -> PoolLayout:
         """The model's whole pool as these pools fill it: every KV head."""
         kv = self.shards[0].kv
-        layout = PoolLayout.of(kv.buffer, page_size, kv.num_layers)
+        layout = PoolLayout.of(kv.buffer, page_size, kv.num_layers, kv.latent)
         return dataclasses.replace(layout, num_kv_heads=self.num_kv_heads)
 
     def _check(self) -> None:
-        if any(s.kv.latent for s in self.shards):
-            raise ValueError("a latent KV pool (multi-head latent attention) is not shipped yet")
         why = head_tiling_error(self.kv_heads, self.num_kv_heads, self.tp_size)
         if why:
             raise ValueError(f"KV shards: {why}")
@@ -84,4 +88,4 @@ class ShippedKV:
 def _dims(kv: KVCache) -> tuple:
     """What every rank's pool has in common: all but its number of heads."""
     _, layers, slots, _, dim = kv.buffer.shape
-    return (kv.dtype, layers, slots, dim, kv.swa_layers, kv.num_swa_slots)
+    return (kv.dtype, kv.latent, layers, slots, dim, kv.swa_layers, kv.num_swa_slots)

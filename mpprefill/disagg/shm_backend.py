@@ -33,7 +33,8 @@ DECODE_SHM_TAG = "mppdecode"
 _DECODE_SEGMENT = re.compile(rf"/{DECODE_SHM_TAG}_(\d+)_[0-9a-f]+\.(\d+)(\.\d+)?\.\d+")
 
 
-# NOTE: copies go through [planes, num_pages, page_size * heads * head_dim] views (plane_map.py):
+# NOTE: copies go through [planes, num_pages, page_size * heads * head_dim] views (plane_map.py;
+# a latent pool's: [layers, num_pages, page_size * row width]):
 # index_select over dim 1 of that 3-D view, and index_copy_ over (plane, page) rows of the
 # destination, run at memory speed, while the same gather over the page dim of a 6-D
 # [2, L, pages, page, H, D] view is ~15x slower on CPU.
@@ -41,7 +42,9 @@ _STAGE_BYTES = 64 << 20  # largest gather staged at once; bigger sends go in par
 
 
 def kv_shape(layout: PoolLayout) -> tuple[int, int, int, int, int]:
-    return KVCache.shape(layout.num_layers, layout.num_slots, layout.num_kv_heads, layout.head_dim)
+    """The decode pool's buffer: [2, L, slots, H, D], or a latent pool's [1, L, slots, 1, D]."""
+    dims = (layout.num_layers, layout.num_slots, layout.num_kv_heads, layout.head_dim)
+    return KVCache.shape(*dims, latent=layout.latent)
 
 
 def check_decode_segment(handle: ipc.TensorHandle) -> None:
@@ -76,7 +79,9 @@ class ShmPool:
         self.shared = ipc.SharedTensor.create(
             kv_shape(layout), dtype, ipc.new_prefix(DECODE_SHM_TAG), populate=True
         )
-        self.kv = KVCache(*kv_shape(layout)[1:], dtype=dtype, buffer=self.shared.tensor)
+        buffer = self.shared.tensor
+        dims = kv_shape(layout)[1:]
+        self.kv = KVCache(*dims, dtype=dtype, buffer=buffer, latent=layout.latent)
         logger.info("decode pool: %s (%d pages)", self.shared.handle.name, layout.num_pages)
 
     def describe(self) -> dict:

@@ -48,8 +48,8 @@ class ModelConfig(Protocol):
 #   storage = buffer [1, num_layers, num_slots, 1, latent dim]
 #
 # a token's row per layer being what every head's K and V are decompressed from (the
-# latent and the rope key, `ModelConfig.kv_latent_dim`). The decode side and the KV
-# transfer take K/V pools only, so `model_dims` refuses a latent model.
+# latent and the rope key, `ModelConfig.kv_latent_dim`). The KV transfer ships it as one
+# plane per layer, and the decode side keeps one of the same layout (`model_dims`).
 
 
 class KVCache:
@@ -130,9 +130,7 @@ class KVCache:
     @classmethod
     def _model_layout(cls, config: ModelConfig, num_slots: int, num_swa_slots: int | None):
         """(layers, heads, head_dim, SWA layers, SWA pool slots) of a model's pool; a latent
-        pool's: one head of the latent row's width."""
-        if config.kv_latent_dim:
-            return config.num_hidden_layers, 1, config.kv_latent_dim, (), 0
+        pool's: one head of the latent row's width (a latent model has no SWA layers)."""
         swa = cls.swa_layers_of(config)
         n_swa = (num_slots if num_swa_slots is None else num_swa_slots) if swa else 0
         return (*cls.model_dims(config), swa, n_swa)
@@ -140,13 +138,10 @@ class KVCache:
     @staticmethod
     def model_dims(config: ModelConfig) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim) of a model's K and V, as the decode side and
-        the KV transfer lay them out; a latent-attention model has none."""
+        the KV transfer lay them out; a latent-attention model's (num_layers, 1, latent row
+        width), its pool being `latent`."""
         if config.kv_latent_dim:
-            raise ValueError(
-                "this model keeps a latent KV pool (multi-head latent attention), one row per"
-                " token and layer, not K and V per head: the decode side and the KV transfer"
-                " do not take it yet (serve it with --disaggregation-transfer-backend fake)"
-            )
+            return config.num_hidden_layers, 1, config.kv_latent_dim
         return config.num_hidden_layers, config.num_key_value_heads, config.head_size
 
     @staticmethod
