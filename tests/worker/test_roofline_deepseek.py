@@ -1,6 +1,7 @@
 """The DeepSeek-V3 preset: latent attention and shared experts in the roofline on
 hand-computed FLOPs and bytes, its per-token FLOPs against DeepSeek's published 37B
-activated parameters, its latent KV bytes and its shape from config.json."""
+activated parameters, its latent KV bytes, its shape from config.json, and the host
+stand-in of a DeepSeek checkpoint on the emulated device."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from mpprefill.emulation.device import EmulatedDevice, host_config, host_model
 from mpprefill.emulation.roofline import (
     DEEPSEEK_V3_CONFIG,
     GPUS,
@@ -18,6 +20,9 @@ from mpprefill.emulation.roofline import (
     host_copy_time_s,
     layer_kernels,
 )
+from mpprefill.memory.kv_cache import KVCache
+from mpprefill.model import ForwardBatch
+from mpprefill.model.families import config_from_hf
 
 H200 = GPUS["h200"]
 DSV3 = PRESETS["DeepSeek-V3"]
@@ -203,3 +208,32 @@ def test_transformers_defaults_are_the_preset():
     transformers = pytest.importorskip("transformers")
     fields = transformers.DeepseekV3Config().to_dict()
     assert ModelShape.from_hf_config(fields) == dataclasses.replace(DSV3, name="")
+
+
+# A DeepSeek checkpoint's config.json as the prefill reads it (no weights needed: the
+# emulated device's stand-in has random ones), its vocabulary cut to keep the test short.
+DEEPSEEK_BASE = {
+    **DEEPSEEK_V3_CONFIG,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "vocab_size": 512,
+}
+
+
+def test_the_stand_in_of_a_deepseek_checkpoint_runs_latent_attention():
+    """Emulating DeepSeek-V3 with a DeepSeek base keeps latent attention at the stand-in's
+    tiny width, over a latent pool of 8 + 8 elements a token and layer, 61 layers deep; the
+    device is charged the preset's layers at TP 8."""
+    config = host_config(config_from_hf(DEEPSEEK_BASE), "DeepSeek-V3")
+    assert config.is_latent and config.num_hidden_layers == 61 and config.num_experts == 0
+    assert (config.kv_lora_rank, config.qk_rope_head_dim, config.q_lora_rank) == (8, 8, 16)
+    model = host_model(config, seed=0)
+    kv = KVCache.for_model(model.config, 64)
+    assert kv.latent and kv.bytes_per_slot == 61 * 16 * 4
+    device = EmulatedDevice(DSV3, "h200", tp_size=8)
+    fb = ForwardBatch.build([[3, 4, 5], [6, 7]], [0, 0], [[0, 1, 2], [3, 4]])
+    logits = device.forward(model, fb, kv)
+    assert logits.shape == (2, config.vocab_size)
+    start, end, busy, collective = device.last_forward()
+    assert end > start and 0 < collective < busy
