@@ -48,6 +48,7 @@ EMULATE_MODELS = (
     "Qwen3-235B-A22B",
     "gpt-oss-20b",
     "gpt-oss-120b",
+    "DeepSeek-V3",
 )
 STAGINGS = ("pinned", "cuda-ipc")  # how a CUDA worker gets its batch inputs
 DTYPES = ("auto", "bfloat16", "float16", "float32")

@@ -68,6 +68,17 @@ HOST_WIDTH = dict(
     num_key_value_heads=1,
     head_dim=8,
 )
+# A latent-attention base (DeepSeek-V3's) at the same width: a K and V per head, decompressed
+# from a latent row of 8 + 8 (the rope key) elements a layer, as many as GQA's K and V above.
+HOST_LATENT_WIDTH = dict(
+    HOST_WIDTH,
+    num_key_value_heads=HOST_WIDTH["num_attention_heads"],
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=HOST_WIDTH["head_dim"],
+    v_head_dim=8,
+)
+HOST_Q_LORA_RANK = 16
 
 
 def host_config(base: ModelConfig, emulate_model: str) -> ModelConfig:
@@ -77,19 +88,27 @@ def host_config(base: ModelConfig, emulate_model: str) -> ModelConfig:
     The stand-in's MLPs are dense: the roofline, not the host path, charges the experts
     (on the emulated model's sparse layers, whatever the checkpoint's). Without sliding
     layers in `base` the stand-in attends fully even where the emulated shape slides
-    (gpt-oss); the roofline alone charges those layers' window."""
+    (gpt-oss); the roofline alone charges those layers' window. A latent-attention `base`
+    (DeepSeek-V3's) keeps its latent attention at ranks as small as the width (q's low-rank
+    projection only where `base` has one) and drops its shared experts with the routed
+    ones; any other base keeps its attention whatever the emulated shape's."""
     shape = resolve_shape(emulate_model)
     types = None
     if base.has_sliding_layers:
         n = base.num_hidden_layers
         types = tuple(base.layer_types[i % n] for i in range(shape.num_layers))
+    width = HOST_WIDTH
+    if base.is_latent:
+        q_rank = None if base.q_lora_rank is None else HOST_Q_LORA_RANK
+        width = dict(HOST_LATENT_WIDTH, q_lora_rank=q_rank)
     return dataclasses.replace(
         base,
         num_hidden_layers=shape.num_layers,
         layer_types=types,
         num_experts=0,
         dense_mlp_layers=(),
-        **HOST_WIDTH,
+        shared_expert_intermediate_size=0,
+        **width,
     )
 
 

@@ -58,6 +58,35 @@ assuming each of the T·k routings picks one of the E experts uniformly and inde
 of the others. Real routers are skewed, which hits fewer; a token's k experts are
 distinct, which hits a little more (at T = 1, n < k). At prefill sizes (T·k >> E) n is E.
 
+Shared experts (DeepSeek's: I_s rows every token of a sparse layer runs) add a dense MLP's
+three kernels of I_s rows after the routed ones, and the sum back to the tokens reads
+their T·h·b output too.
+
+Multi-head latent attention (DeepSeek-V3: `kv_lora_rank` c, q's `q_lora_rank` r, the rope
+key's width d_r = head_dim, per head an unrotated d_n, q and k of d_q = d_n + d_r and v of
+d_v; a token's latent row of c + d_r elements, lat_row = (c + d_r)·b_kv bytes a layer,
+whole on every rank) replaces the input norm to o_proj by these, on a rank's H heads, with
+keys = Σ (p + e) the rows of every request's keys:
+
+| kernel               | work                                                     |
+|----------------------|----------------------------------------------------------|
+| input norm           | 4·T·h·b bytes                                            |
+| q and latent down    | GEMM(T, r + c + d_r, h), whole on every rank             |
+| their norms          | 2·T·(r + c)·b bytes                                      |
+| q up                 | GEMM(T, H·d_q, r)                                        |
+| rope                 | 2·T·(H + 1)·d_r·b bytes (q's rotated dims and the key's) |
+| latent write         | T·(c + d_r)·b + T·lat_row bytes                          |
+| latent gather        | keys·lat_row + keys·(c + d_r)·b bytes                    |
+| kv_b up              | GEMM(keys, H·(d_n + d_v), c)                             |
+| K assembly           | keys·(H·d_n + d_r + H·d_q)·b bytes                       |
+| attention            | 2·H·(d_q + d_v)·pairs FLOPs at peak·0.5,                 |
+|                      | (T + keys)·H·(d_q + d_v)·b bytes                         |
+| o_proj               | GEMM(T, h, H·d_v)                                        |
+
+Prefill decompresses every key's row (`model/layers/mla.py` does the same), so a long
+prefix costs kv_b's GEMM over its rows at every chunk; the KV pool holds lat_row bytes a
+token and layer, not a K and V per head.
+
 The head (`head_kernels`) runs on the R requests' last positions: a gather of them
 (2·R·h·b bytes), the final norm (2·R·h·b) and the LM head, GEMM(R, vocab, h) whose logits
 are written as float32 (R·vocab·4 bytes instead of R·vocab·b).
@@ -100,7 +129,8 @@ extra here.
 
 Tensor parallel over N GPUs (`tp`): each rank runs the layer of `ModelShape.shard(N)` (its
 heads, KV heads and MLP rows, every expert's 1/N of its I_e rows with the router whole, as
-`model/layers/moe.py` shards them, a 1/N vocabulary slice of the head), then the layer's two
+`model/layers/moe.py` shards them, 1/N of the shared experts' rows, a 1/N vocabulary slice of
+the head; latent attention's down projections and latent rows whole), then the layer's two
 all-reduces of the T x hidden activations (after o_proj and after the MLP) and the
 head's all-gather of the logits cross the GPUs' interconnect. A ring all-reduce of B
 bytes moves 2·(N-1)/N·B through each GPU's link, an all-gather (N-1)/N·B; each collective
@@ -141,13 +171,21 @@ ATTENTION_EFFICIENCY = 0.5
 MEMORY_EFFICIENCY = 0.8
 # Launch, ramp-up and tail of one kernel: a small kernel cannot finish faster.
 KERNEL_FLOOR_S = 3e-6
-# A dense layer's kernels (`layer_kernels`): input norm, qkv, rope, KV write, attention,
-# o_proj, post-attention norm, gate_up, act, down.
-KERNELS_PER_LAYER = 10
-# An MoE MLP replaces gate_up, act and down by the router, top-k, the sort by expert, the
-# group offsets, the gather of routed rows, grouped gate_up, act, grouped down, the
-# scaling by route weight and the sum back to the tokens.
-KERNELS_PER_MOE_LAYER = KERNELS_PER_LAYER - 3 + 10
+# A layer's attention part (`layer_kernels`): input norm, qkv, rope, KV write, attention,
+# o_proj, post-attention norm.
+ATTENTION_KERNELS = 7
+# Latent attention's: input norm, the q and latent down projection, their norms, q's up
+# projection, rope, the latent write, the gather of every key's latent row, kv_b's up
+# projection, K's assembly, attention, o_proj, post-attention norm.
+LATENT_ATTENTION_KERNELS = 12
+# A dense MLP: gate_up, act, down.
+MLP_KERNELS = 3
+# An MoE MLP: the router, top-k, the sort by expert, the group offsets, the gather of
+# routed rows, grouped gate_up, act, grouped down, the scaling by route weight and the sum
+# back to the tokens (shared experts add a dense MLP's three).
+MOE_KERNELS = 10
+KERNELS_PER_LAYER = ATTENTION_KERNELS + MLP_KERNELS
+KERNELS_PER_MOE_LAYER = ATTENTION_KERNELS + MOE_KERNELS
 # Gather of the last positions, final norm, LM head GEMM.
 KERNELS_PER_HEAD = 3
 # A fused residual add + RMSNorm reads the residual and the hidden and writes both.
@@ -244,6 +282,11 @@ _NOT_POSITIVE = frozenset(
         "dense_layers",
         "sliding_window",
         "sliding_layers",
+        "shared_intermediate",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_nope_head_dim",
+        "v_head_dim",
     )
 )
 # A config.json's name for a layer that attends only to its last `sliding_window` positions.
@@ -275,6 +318,17 @@ class ModelShape:
     # `sliding_layers` attend to their last `sliding_window` positions.
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()
+    # Shared experts (DeepSeek's): a dense MLP of `shared_intermediate` rows that every token
+    # of a sparse layer runs beside its routed experts (0: none).
+    shared_intermediate: int = 0
+    # Multi-head latent attention (none: attention over `num_kv_heads` K and V heads): a
+    # token keeps one row of `kv_lora_rank` + `head_dim` (the rope key) a layer, from which
+    # every head's K (`qk_nope_head_dim` + `head_dim`) and V (`v_head_dim`) are
+    # decompressed; q goes down to `q_lora_rank` and back up to every head.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self):
         for key in (f.name for f in dataclasses.fields(self) if f.name not in _NOT_POSITIVE):
@@ -287,18 +341,23 @@ class ModelShape:
         object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
         self._check_experts()
         self._check_sliding()
+        self._check_latent()
 
     def _check_experts(self) -> None:
         who = self.name or "model"
         e, k = self.num_experts, self.experts_per_tok
         if e == 0:
-            if k or self.moe_intermediate or self.dense_layers or self.sparse_step != 1:
+            extra = self.moe_intermediate or self.dense_layers or self.shared_intermediate
+            if k or extra or self.sparse_step != 1:
                 raise ValueError(f"{who}: expert fields without experts")
             return
         if e < 0 or not 0 < k <= e:
             raise ValueError(f"{who}: experts_per_tok ({k}) must be in 1..num_experts ({e})")
-        if self.moe_intermediate <= 0 or self.sparse_step <= 0:
-            raise ValueError(f"{who}: moe_intermediate and sparse_step must be positive")
+        if self.moe_intermediate <= 0 or self.sparse_step <= 0 or self.shared_intermediate < 0:
+            raise ValueError(
+                f"{who}: moe_intermediate and sparse_step must be positive, shared_intermediate"
+                " not negative"
+            )
         bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"{who}: dense_layers {bad} are not layers of {self.num_layers}")
@@ -311,13 +370,32 @@ class ModelShape:
         if bad:
             raise ValueError(f"{who}: sliding_layers {bad} are not layers of {self.num_layers}")
 
+    def _check_latent(self) -> None:
+        who = self.name or "model"
+        dims = (self.q_lora_rank, self.qk_nope_head_dim, self.v_head_dim)
+        if self.kv_lora_rank == 0:
+            if any(dims):
+                raise ValueError(f"{who}: latent attention fields without kv_lora_rank")
+            return
+        if self.kv_lora_rank < 0 or min(dims) <= 0:
+            raise ValueError(
+                f"{who}: kv_lora_rank, q_lora_rank, qk_nope_head_dim and v_head_dim must be"
+                " positive (the roofline charges q's low-rank projection only)"
+            )
+        if self.num_kv_heads != self.num_heads or self.sliding_layers:
+            raise ValueError(f"{who}: latent attention has a K and V per head and no window")
+
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` attends only to its last `sliding_window` positions."""
         return layer in self.sliding_layers
 
     def kernels_in_layer(self, layer: int) -> int:
-        """Kernels layer `layer` launches in the roofline: a sparse layer's or a dense one's."""
-        return KERNELS_PER_MOE_LAYER if self.is_sparse(layer) else KERNELS_PER_LAYER
+        """Kernels layer `layer` launches in the roofline: its attention's (latent or not)
+        and its MLP's (sparse, with or without shared experts, or dense)."""
+        attention = LATENT_ATTENTION_KERNELS if self.is_latent else ATTENTION_KERNELS
+        if not self.is_sparse(layer):
+            return attention + MLP_KERNELS
+        return attention + MOE_KERNELS + (MLP_KERNELS if self.shared_intermediate else 0)
 
     @property
     def kernels_per_forward(self) -> int:
@@ -331,8 +409,24 @@ class ModelShape:
         return (layer + 1) % self.sparse_step == 0
 
     @property
+    def is_latent(self) -> bool:
+        """Multi-head latent attention (see `kv_lora_rank`)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A head's q and k width: under latent attention its unrotated part and the rope
+        key, else `head_dim`."""
+        return self.qk_nope_head_dim + self.head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Elements of a token's latent row in one layer: the latent and the rope key."""
+        return self.kv_lora_rank + self.head_dim
+
+    @property
     def q_width(self) -> int:
-        return self.num_heads * self.head_dim
+        return self.num_heads * self.qk_head_dim
 
     @property
     def kv_width(self) -> int:
@@ -340,8 +434,14 @@ class ModelShape:
 
     @property
     def attention_params(self) -> int:
-        """q, k, v and o of one layer, with GQA widths."""
-        return self.hidden * (2 * self.q_width + 2 * self.kv_width)
+        """q, k, v and o of one layer, with GQA widths; under latent attention q's and the
+        latent's down projections, q's up projection, kv_b and o."""
+        if not self.is_latent:
+            return self.hidden * (2 * self.q_width + 2 * self.kv_width)
+        down = self.hidden * (self.q_lora_rank + self.latent_width)
+        kv_b = self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        o = self.num_heads * self.v_head_dim * self.hidden
+        return down + self.q_lora_rank * self.q_width + kv_b + o
 
     @property
     def params_per_layer(self) -> int:
@@ -359,18 +459,21 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token in one layer."""
+        """K and V of one token in one layer (its latent row under latent attention)."""
+        if self.is_latent:
+            return self.latent_width * self.kv_dtype_bytes
         return 2 * self.kv_width * self.kv_dtype_bytes
 
     def shard(self, tp: int) -> ModelShape:
         """One rank's shape at tensor parallel `tp`: its heads, KV heads (one, replicated,
-        below `tp` KV heads), MLP rows and vocabulary slice."""
+        below `tp` KV heads), MLP and shared experts' rows and vocabulary slice. Latent
+        attention's down projections and latent rows stay whole on every rank."""
         if tp < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
         if tp == 1:
             return self
         kv = self.num_kv_heads
-        mlps = self.intermediate % tp or self.moe_intermediate % tp
+        mlps = self.intermediate % tp or self.moe_intermediate % tp or self.shared_intermediate % tp
         if self.num_heads % tp or mlps or (kv % tp if kv >= tp else tp % kv):
             raise ValueError(f"{self.name or 'model'}: its heads and MLP do not split over {tp}")
         return dataclasses.replace(
@@ -379,6 +482,7 @@ class ModelShape:
             num_kv_heads=max(1, kv // tp),
             intermediate=self.intermediate // tp,
             moe_intermediate=self.moe_intermediate // tp,
+            shared_intermediate=self.shared_intermediate // tp,
             vocab=math.ceil(self.vocab / tp),
         )
 
@@ -415,40 +519,73 @@ def _shape_from_dict(config: Mapping[str, Any], name: str) -> ModelShape:
         config = config["text_config"]
     hidden = _int_field(config, "hidden_size")
     heads = _int_field(config, "num_attention_heads")
-    if config.get("head_dim") is None and hidden % heads:
+    latent = _latent_fields(config)
+    if config.get("head_dim") is None and hidden % heads and not latent:
         raise ValueError(f"hidden_size {hidden} is not a multiple of {heads} heads")
     intermediate = _int_field(config, "intermediate_size")
     layers = _int_field(config, "num_hidden_layers")
+    if latent:  # the rotated part of q and k, as transformers sets head_dim
+        head_dim = _int_field(config, "qk_rope_head_dim")
+    else:
+        head_dim = _int_field(config, "head_dim", default=hidden // heads)
     return ModelShape(
         num_layers=layers,
         hidden=hidden,
         intermediate=intermediate,
         num_heads=heads,
         num_kv_heads=_int_field(config, "num_key_value_heads", default=heads),
-        head_dim=_int_field(config, "head_dim", default=hidden // heads),
+        head_dim=head_dim,
         vocab=_int_field(config, "vocab_size"),
         name=name,
-        **_expert_fields(config, intermediate),
+        **_expert_fields(config, intermediate, layers),
         **_sliding_fields(config, layers),
+        **latent,
     )
 
 
-def _expert_fields(config: Mapping[str, Any], intermediate: int) -> dict[str, Any]:
-    """The MoE fields as Mixtral (`num_local_experts`, experts of `intermediate_size` rows)
-    and Qwen3-MoE (`num_experts`, `moe_intermediate_size`, `decoder_sparse_step`,
-    `mlp_only_layers`) name them; none for a dense config."""
-    key = "num_local_experts" if config.get("num_local_experts") else "num_experts"
-    if not config.get(key):
+def _expert_fields(config: Mapping[str, Any], intermediate: int, layers: int) -> dict[str, Any]:
+    """The MoE fields as Mixtral (`num_local_experts`, experts of `intermediate_size` rows),
+    Qwen3-MoE (`num_experts`, `moe_intermediate_size`, `decoder_sparse_step`,
+    `mlp_only_layers`) and DeepSeek-V3 (`n_routed_experts`, `first_k_dense_replace` dense
+    layers first, `n_shared_experts` of `moe_intermediate_size` rows) name them; none for a
+    dense config."""
+    keys = [k for k in ("num_local_experts", "n_routed_experts", "num_experts") if config.get(k)]
+    if not keys:
         return {}
     dense = config.get("mlp_only_layers") or ()
     if not isinstance(dense, (list, tuple)) or not all(type(i) is int for i in dense):
         raise ValueError(f"model config field mlp_only_layers must list ints, got {dense!r}")
+    if config.get("first_k_dense_replace"):
+        dense = range(min(_int_field(config, "first_k_dense_replace"), layers))
+    if config.get("moe_layer_freq", 1) != 1:
+        raise ValueError("model config field moe_layer_freq: only 1 (every layer past the dense)")
+    moe_intermediate = _int_field(config, "moe_intermediate_size", default=intermediate)
+    shared = config.get("n_shared_experts") or 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise ValueError(f"model config field n_shared_experts must be an int >= 0, got {shared!r}")
     return dict(
-        num_experts=_int_field(config, key),
+        num_experts=_int_field(config, keys[0]),
         experts_per_tok=_int_field(config, "num_experts_per_tok"),
-        moe_intermediate=_int_field(config, "moe_intermediate_size", default=intermediate),
+        moe_intermediate=moe_intermediate,
         sparse_step=_int_field(config, "decoder_sparse_step", default=1),
         dense_layers=tuple(dense),
+        shared_intermediate=shared * moe_intermediate,
+    )
+
+
+def _latent_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Multi-head latent attention as DeepSeek-V3's config names it (`kv_lora_rank`,
+    `q_lora_rank`, `qk_nope_head_dim`, `v_head_dim`; `qk_rope_head_dim` is the shape's
+    head_dim); none without `kv_lora_rank`."""
+    if not config.get("kv_lora_rank"):
+        return {}
+    if config.get("q_lora_rank") is None:
+        raise ValueError("model config: latent attention without q_lora_rank is not charged")
+    return dict(
+        kv_lora_rank=_int_field(config, "kv_lora_rank"),
+        q_lora_rank=_int_field(config, "q_lora_rank"),
+        qk_nope_head_dim=_int_field(config, "qk_nope_head_dim"),
+        v_head_dim=_int_field(config, "v_head_dim"),
     )
 
 
@@ -503,6 +640,34 @@ def _gpt_oss(name: str, layers: int, experts: int) -> ModelShape:
     )
 
 
+# deepseek-ai/DeepSeek-V3's config.json, the fields its shape reads: 61 layers, the first 3
+# dense (18,432 rows), then 256 routed experts of 2,048 rows (8 a token) and one shared;
+# latent attention over 128 heads. Its checkpoint's weights are FP8; charged here in
+# EMULATED_DTYPE like every preset. Its multi-token-prediction layer
+# (num_nextn_predict_layers 1) is not part of the prefill's forward.
+DEEPSEEK_V3_CONFIG = {
+    "_name_or_path": "DeepSeek-V3",
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 61,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "vocab_size": 129280,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048,
+    "n_shared_experts": 1,
+    "num_nextn_predict_layers": 1,
+}
+
 # The models' config.json on the Hugging Face Hub (the name is the repository's).
 # Positional: layers, hidden, intermediate, heads, KV heads, head_dim, vocab.
 PRESETS = {
@@ -523,6 +688,7 @@ PRESETS = {
     ),
     "gpt-oss-20b": _gpt_oss("gpt-oss-20b", 24, 32),
     "gpt-oss-120b": _gpt_oss("gpt-oss-120b", 36, 128),
+    "DeepSeek-V3": ModelShape.from_hf_config(DEEPSEEK_V3_CONFIG),
 }
 
 
@@ -564,19 +730,21 @@ def layer_kernels(
         raise ValueError(f"sliding window must be positive, got {window}")
     if sparse and not shape.num_experts:
         raise ValueError(f"{shape.name or 'model'} has no experts")
+    if window is not None and shape.is_latent:
+        raise ValueError(f"{shape.name or 'model'}: latent attention has no sliding window")
     s = shape.shard(tp)
     t, h, b = sum(extend_lens), s.hidden, s.dtype_bytes
-    q, kv = s.q_width, s.kv_width
-    kernels = [
-        _stream(gpu, "input_norm", NORM_PASSES * t * h * b),
-        _gemm(gpu, "qkv_proj", t, q + 2 * kv, h, b),
-        _stream(gpu, "rope", 2 * t * (q + kv) * b),
-        _stream(gpu, "kv_write", 2 * t * kv * b + t * s.kv_bytes_per_token),
-        _attention(s, gpu, extend_lens, prefix_lens, window),
-        _gemm(gpu, "o_proj", t, h, q, b),
-        _stream(gpu, "post_attention_norm", NORM_PASSES * t * h * b),
-    ]
-    return kernels + (_moe_kernels(s, gpu, t) if sparse else _mlp_kernels(s, gpu, t))
+    if s.is_latent:
+        kernels = _latent_attention_kernels(s, gpu, extend_lens, prefix_lens)
+    else:
+        kernels = _attention_kernels(s, gpu, extend_lens, prefix_lens, window)
+    kernels.append(_stream(gpu, "post_attention_norm", NORM_PASSES * t * h * b))
+    if not sparse:
+        return kernels + _mlp_kernels(s, gpu, t, s.intermediate)
+    kernels += _moe_kernels(s, gpu, t)
+    if s.shared_intermediate:
+        kernels += _mlp_kernels(s, gpu, t, s.shared_intermediate, "shared_")
+    return kernels
 
 
 def layer_parts_s(
@@ -702,12 +870,62 @@ def windowed_pairs(extend: int, prefix: int, window: int) -> int:
     return below + (extend - uncapped) * window
 
 
-def _mlp_kernels(s: ModelShape, gpu: GpuSpec, t: int) -> list[Kernel]:
-    h, i, b = s.hidden, s.intermediate, s.dtype_bytes
+def _attention_kernels(
+    s: ModelShape,
+    gpu: GpuSpec,
+    extend_lens: Sequence[int],
+    prefix_lens: Sequence[int],
+    window: int | None,
+) -> list[Kernel]:
+    """Input norm to o_proj of attention over K and V heads (the module's first table)."""
+    t, h, b = sum(extend_lens), s.hidden, s.dtype_bytes
+    q, kv = s.q_width, s.kv_width
     return [
-        _gemm(gpu, "gate_up_proj", t, 2 * i, h, b),
-        _stream(gpu, "act", 3 * t * i * b),
-        _gemm(gpu, "down_proj", t, h, i, b),
+        _stream(gpu, "input_norm", NORM_PASSES * t * h * b),
+        _gemm(gpu, "qkv_proj", t, q + 2 * kv, h, b),
+        _stream(gpu, "rope", 2 * t * (q + kv) * b),
+        _stream(gpu, "kv_write", 2 * t * kv * b + t * s.kv_bytes_per_token),
+        _attention(s, gpu, extend_lens, prefix_lens, window),
+        _gemm(gpu, "o_proj", t, h, q, b),
+    ]
+
+
+def _latent_attention_kernels(
+    s: ModelShape, gpu: GpuSpec, extend_lens: Sequence[int], prefix_lens: Sequence[int]
+) -> list[Kernel]:
+    """Input norm to o_proj of latent attention (the module's latent table), on a rank's
+    heads; the down projections and the latent rows are whole on every rank."""
+    t, h, b = sum(extend_lens), s.hidden, s.dtype_bytes
+    heads, nope, rope, v = s.num_heads, s.qk_nope_head_dim, s.head_dim, s.v_head_dim
+    q_rank, kv_rank, row = s.q_lora_rank, s.kv_lora_rank, s.latent_width
+    keys = sum(p + e for e, p in zip(extend_lens, prefix_lens))
+    pairs = sum(e * (p + (e + 1) / 2) for e, p in zip(extend_lens, prefix_lens))
+    qk = nope + rope
+    attention_bytes = (t * heads * (qk + v) + keys * heads * (qk + v)) * b
+    return [
+        _stream(gpu, "input_norm", NORM_PASSES * t * h * b),
+        _gemm(gpu, "q_kv_a_proj", t, q_rank + row, h, b),
+        _stream(gpu, "q_kv_a_norm", 2 * t * (q_rank + kv_rank) * b),
+        _gemm(gpu, "q_b_proj", t, heads * qk, q_rank, b),
+        _stream(gpu, "rope", 2 * t * (heads + 1) * rope * b),
+        _stream(gpu, "latent_write", t * row * b + t * s.kv_bytes_per_token),
+        _stream(gpu, "latent_gather", keys * s.kv_bytes_per_token + keys * row * b),
+        _gemm(gpu, "kv_b_proj", keys, heads * (nope + v), kv_rank, b),
+        _stream(gpu, "k_assemble", keys * (heads * nope + rope + heads * qk) * b),
+        _kernel(
+            gpu, "attention", 2 * heads * (qk + v) * pairs, gpu.attention_flops, attention_bytes
+        ),
+        _gemm(gpu, "o_proj", t, h, heads * v, b),
+    ]
+
+
+def _mlp_kernels(s: ModelShape, gpu: GpuSpec, t: int, rows: int, prefix: str = "") -> list[Kernel]:
+    """A gated MLP of `rows` rows (`prefix` names a shared expert's kernels)."""
+    h, b = s.hidden, s.dtype_bytes
+    return [
+        _gemm(gpu, f"{prefix}gate_up_proj", t, 2 * rows, h, b),
+        _stream(gpu, f"{prefix}act", 3 * t * rows * b),
+        _gemm(gpu, f"{prefix}down_proj", t, h, rows, b),
     ]
 
 
@@ -715,6 +933,7 @@ def _moe_kernels(s: ModelShape, gpu: GpuSpec, t: int) -> list[Kernel]:
     h, e, ie, b = s.hidden, s.num_experts, s.moe_intermediate, s.dtype_bytes
     r = t * s.experts_per_tok  # routed rows
     n = experts_hit(e, r)
+    outputs = 2 if s.shared_intermediate else 1  # the tokens' rows, and the shared experts'
     return [
         _gemm(gpu, "router", t, e, h, b),
         _stream(gpu, "topk_softmax", t * e * b + r * (INDEX_BYTES + ROUTE_WEIGHT_BYTES)),
@@ -725,7 +944,7 @@ def _moe_kernels(s: ModelShape, gpu: GpuSpec, t: int) -> list[Kernel]:
         _stream(gpu, "experts_act", 3 * r * ie * b),
         _gemm(gpu, "experts_down", r, h, ie, b, groups=n),
         _stream(gpu, "scale_rows", 2 * r * h * b + r * ROUTE_WEIGHT_BYTES),
-        _stream(gpu, "sum_to_tokens", r * h * b + t * h * b),
+        _stream(gpu, "sum_to_tokens", r * h * b + outputs * t * h * b),
     ]
 
 

@@ -20,6 +20,11 @@ logger = logging.getLogger(__name__)
 
 # HF names that carry no weights of ours (old checkpoints store the rotary table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Families whose checkpoints carry multi-token-prediction layers after the forward's own
+# (DeepSeek-V3's `num_nextn_predict_layers`, stored as model.layers.{num_hidden_layers}...):
+# their tensors are skipped, as the prefill's forward never runs them.
+_EXTRA_LAYER_FAMILIES = ("DeepseekV3ForCausalLM",)
+_LAYER_PREFIX = "model.layers."
 
 
 def load_model(
@@ -140,12 +145,31 @@ def hf_name_table(config: ModelConfig) -> dict[str, tuple[str, slice]]:
 
 
 def _check_names(config: ModelConfig, table: dict, names) -> None:
-    unexpected = [n for n in names if n not in table and not n.endswith(_IGNORED_SUFFIXES)]
+    extra = [n for n in names if _is_extra_layer(config, n)]
+    if extra:
+        logger.info(
+            "skipped %d checkpoint tensors of layers from %d on (multi-token prediction)",
+            len(extra),
+            config.num_hidden_layers,
+        )
+    skip = set(extra)
+    unexpected = [
+        n for n in names if n not in table and n not in skip and not n.endswith(_IGNORED_SUFFIXES)
+    ]
     if config.tie_word_embeddings:
         unexpected = [n for n in unexpected if n != "lm_head.weight"]
     missing = [n for n in table if n not in names]
     if unexpected or missing:
         raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+
+
+def _is_extra_layer(config: ModelConfig, name: str) -> bool:
+    """Whether `name` is a tensor of a layer past the forward's that `config`'s family
+    stores in its checkpoints (`_EXTRA_LAYER_FAMILIES`)."""
+    if config.architecture not in _EXTRA_LAYER_FAMILIES or not name.startswith(_LAYER_PREFIX):
+        return False
+    index = name[len(_LAYER_PREFIX) :].split(".", 1)[0]
+    return index.isdigit() and int(index) >= config.num_hidden_layers
 
 
 def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:

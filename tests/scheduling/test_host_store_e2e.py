@@ -12,6 +12,7 @@ from mpprefill.bench.runner import BenchConfig
 from mpprefill.config import ServerArgs
 from mpprefill.engine import PrefillEngine
 from mpprefill.flags import add_flags, from_namespace
+from tests.model.test_loader import deepseek_checkpoint
 from tests.scheduling.test_engine import dense_last_logits
 
 pytestmark = pytest.mark.timeout(300)
@@ -185,3 +186,19 @@ def test_on_the_emulated_accelerator_host_hits_take_the_host_links_time(mode):
     assert metrics.host_loaded_tokens > 0
     # each token's K and V in 24 layers of 2 x 64 BF16 over 80% of 64 GB/s, at the least
     assert link.busy_s >= moved * 24 * 2 * 2 * 64 * 2 / 51.2e9
+
+
+def test_a_latent_pool_goes_through_the_host_tier(tmp_path):
+    """DeepSeek-V3's latent pool (one row a token and layer, no V) is written back and
+    loaded like a K/V pool: every revisited prefix comes from the host, and the logits are
+    those of the same prompts recomputed without a cache."""
+    path, _, _ = deepseek_checkpoint(tmp_path, extra_layer=False)
+    _, outs, metrics, tier = run_two_passes("normal", model_path=path, host_store_size=4096)
+    assert tier.store.kv.latent and tier.store.kv.buffer.shape[0] == 1
+    assert metrics.host_loaded_tokens > 0 and metrics.host_written_tokens > 0
+    assert [o.cached_tokens for o in outs] == [SYSTEM_LEN] * NUM_SYSTEMS
+    _, recomputed, _, _ = run_two_passes("normal", model_path=path, disable_radix_cache=True)
+    for o, r in zip(outs, recomputed, strict=True):
+        torch.testing.assert_close(o.logits, r.logits, atol=2e-4, rtol=1e-4)
+        assert o.first_token == r.first_token
+    tier.check()

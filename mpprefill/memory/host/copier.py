@@ -39,7 +39,7 @@ from mpprefill.memory.host.writeback import WritebackBuffers
 
 
 class SlotCopy(NamedTuple):
-    """Slots src_slots of pool src (a KV pool [2, L, slots, H, D]) into slots dst_slots of
+    """Slots src_slots of pool src (a KV pool [planes, L, slots, H, D]) into slots dst_slots of
     pool dst; one of them on the host. `buffers`: staging buffers for this pool's shape.
     Where both slot lists are whole pages of `page_size`, the copy moves pages."""
 
@@ -66,9 +66,9 @@ def whole_pages(slots: Tensor, page_size: int) -> Tensor | None:
 
 
 def _by_page(pool: Tensor, page_size: int) -> Tensor:
-    """A pool [2, L, slots, H, D] as [2 * L, pages, page_size * H * D]: one row a page."""
-    two, layers, slots, heads, dim = pool.shape
-    return pool.view(two * layers, slots // page_size, page_size * heads * dim)
+    """A pool [planes, L, slots, H, D] as [planes * L, pages, page_size * H * D]: a row a page."""
+    planes, layers, slots, heads, dim = pool.shape
+    return pool.view(planes * layers, slots // page_size, page_size * heads * dim)
 
 
 def gather(src: Tensor, slots: Tensor, out: Tensor, page_size: int) -> None:

@@ -53,24 +53,28 @@ class _Write(NamedTuple):
     swa_entries: list[HostPage]
 
 
-def _pool_dims(pool: Tensor) -> tuple[int, int, int]:
-    """(layers, heads, head_dim) of a pool [2, L, slots, H, D]."""
-    _, layers, _, heads, dim = pool.shape
-    return layers, heads, dim
+def _buffers(pool: Tensor) -> WritebackBuffers:
+    """Staging buffers for copies of a pool [planes, L, slots, H, D]: K and V, or a latent
+    pool's one plane of rows."""
+    planes, layers, _, heads, dim = pool.shape
+    return WritebackBuffers(layers, heads, dim, pool.dtype, planes)
 
 
 def _host_pool(pool: Tensor, num_slots: int) -> KVCache:
-    """A zeroed host KVCache shaped like a device pool [2, L, slots, H, D], num_slots long."""
-    _, layers, _, heads, dim = pool.shape
+    """A zeroed host KVCache shaped like a device pool [planes, L, slots, H, D] (K and V,
+    or one latent plane), num_slots long."""
+    planes, layers, _, heads, dim = pool.shape
+    latent = planes == 1
     pin = pool.device.type == "cuda"
-    shape = KVCache.shape(layers, num_slots, heads, dim)
+    shape = KVCache.shape(layers, num_slots, heads, dim, latent)
     # NOTE: zeroed now so the copy thread never first-touches (page-faults) host memory.
     buffer = torch.zeros(shape, dtype=pool.dtype, pin_memory=pin)
-    return KVCache(layers, num_slots, heads, dim, pool.dtype, buffer=buffer)
+    return KVCache(layers, num_slots, heads, dim, pool.dtype, buffer=buffer, latent=latent)
 
 
 class HostKVStore:
-    """Capacity `num_tokens` (rounded down to pages) of KV shaped like `like`, on the host.
+    """Capacity `num_tokens` (rounded down to pages) of KV shaped like `like`, on the host:
+    K and V, or a latent pool's rows (multi-head latent attention).
 
     With SWA layers in `like`, the SWA pool has as many pages as the full one, so every
     entry can hold a checkpoint page and only whole entries are ever evicted. `link`: the
@@ -88,15 +92,15 @@ class HostKVStore:
         self.index = HostPageIndex(page_size)
         self.kv = _host_pool(like.buffer, num_pages * page_size)
         # NOTE: a set of buffers per copy lane: each is taken and given by its thread only
-        self.buffers = WritebackBuffers(*_pool_dims(like.buffer), like.dtype)
-        self.load_buffers = WritebackBuffers(*_pool_dims(like.buffer), like.dtype)
+        self.buffers = _buffers(like.buffer)
+        self.load_buffers = _buffers(like.buffer)
         self.swa_kv: KVCache | None = None
         self.swa_pages: PagedTokenAllocator | None = None
         if like.swa_buffer is not None:
             self.swa_kv = _host_pool(like.swa_buffer, num_pages * page_size)
             self.swa_pages = PagedTokenAllocator(num_pages, page_size)
-            self.swa_buffers = WritebackBuffers(*_pool_dims(like.swa_buffer), like.dtype)
-            self.swa_load_buffers = WritebackBuffers(*_pool_dims(like.swa_buffer), like.dtype)
+            self.swa_buffers = _buffers(like.swa_buffer)
+            self.swa_load_buffers = _buffers(like.swa_buffer)
         self.copier = HostCopier(like.device, link)
         self._writes: deque[_Write] = deque()
 

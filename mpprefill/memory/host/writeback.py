@@ -17,9 +17,22 @@ MAX_SPARES = 4
 
 
 class WritebackBuffers:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """Buffers for slots of a pool [planes, layers, slots, heads, dim]: 2 planes (K and V),
+    or a latent pool's one."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        planes: int = 2,
+    ):
+        if planes not in (1, 2):
+            raise ValueError(f"a KV pool has 1 plane (latent) or 2 (K and V), not {planes}")
+        self.planes = planes
         self.dims = (num_layers, num_kv_heads, head_dim)
-        self.slot_numel = 2 * num_layers * num_kv_heads * head_dim
+        self.slot_numel = planes * num_layers * num_kv_heads * head_dim
         self.dtype = dtype
         self._spares: list[Tensor] = []
 
@@ -36,9 +49,9 @@ class WritebackBuffers:
         return torch.empty(slots * self.slot_numel, dtype=self.dtype, device=device, pin_memory=pin)
 
     def view(self, buf: Tensor, num_slots: int) -> Tensor:
-        """The first num_slots slots of buf as contiguous KV [2, layers, n, heads, dim]."""
+        """The first num_slots slots of buf as contiguous KV [planes, layers, n, heads, dim]."""
         layers, heads, dim = self.dims
-        return buf[: num_slots * self.slot_numel].view(2, layers, num_slots, heads, dim)
+        return buf[: num_slots * self.slot_numel].view(self.planes, layers, num_slots, heads, dim)
 
     def give(self, buf: Tensor) -> None:
         """Back to the spares; the smallest spare is dropped beyond MAX_SPARES."""

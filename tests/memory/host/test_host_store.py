@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpprefill.memory.host.store import HostKVStore, PoolWrite
+from mpprefill.memory.host.writeback import WritebackBuffers
 from mpprefill.memory.kv_cache import KVCache
 
 PS = 4
@@ -156,6 +157,34 @@ def test_bfloat16_pages_round_trip_bit_for_bit():
     assert torch.equal(kv.gather(target).view(torch.int16), bits)
     assert store.buffers.spare_bytes() % 2 == 0 and store.buffers.spare_bytes() > 0
     store.check()
+
+
+@pytest.mark.parametrize("page_order", ["whole pages", "slot by slot"])
+def test_a_latent_pool_round_trips_its_one_plane(page_order):
+    """A latent pool (multi-head latent attention: one row a token and layer, no V) is
+    stored and loaded as it is, whole pages at a time or slot by slot."""
+    kv = KVCache(3, 64, 1, 12, latent=True)
+    kv.buffer.copy_(torch.randn(kv.buffer.shape))
+    store = make_store(8, kv)
+    assert store.kv.latent and store.kv.buffer.shape == (1, 3, 8 * PS, 1, 12)
+    assert store.buffers.slot_numel == 3 * 12  # a slot's rows, one plane
+    ids = tokens(1, 3)
+    dev = torch.arange(12) if page_order == "whole pages" else torch.arange(12).flip(0)
+    _, host_slots, _ = write(store, kv, ids, dev)
+    store.retire(wait=True)
+    assert torch.equal(store.kv.gather(host_slots), kv.gather(dev))
+    target = torch.arange(40, 52)
+    store.load(store.match(ids), kv, target).result()
+    assert torch.equal(kv.gather(target), kv.gather(dev))
+    store.check()
+    store.close()
+
+
+def test_writeback_buffers_take_one_or_two_planes():
+    assert WritebackBuffers(2, 1, 4, torch.float32, planes=1).slot_numel == 8
+    assert WritebackBuffers(2, 1, 4, torch.float32).slot_numel == 16
+    with pytest.raises(ValueError, match="1 plane"):
+        WritebackBuffers(2, 1, 4, torch.float32, planes=3)
 
 
 def test_check_catches_a_page_freed_while_held():
