@@ -1,6 +1,8 @@
-"""In every forward mode (and on the emulated device) the forwards run under the guard
-(`MPPREFILL_TEST_FORWARD_GUARD`): no read of a device tensor, and as many torch calls for
-64 requests of 16 new tokens as for 4 of 256."""
+"""Wherever the forward runs (inline, on a forward thread, in a forward process; on the CPU
+and on the emulated device) it runs under the guard (`MPPREFILL_TEST_FORWARD_GUARD`): no
+read of a device tensor, and as many torch calls for 64 requests of 16 new tokens as for 4
+of 256. One mode per worker kind: the modes of a kind run the same forward code, only
+their loops differ (tests/scheduling/test_modes.py runs every loop)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ import pathlib
 
 import pytest
 
-from mpprefill.config import FORWARD_MODES
 from mpprefill.engine import PrefillEngine
+from mpprefill.modes import MODES
 from mpprefill.worker.hooks import FORWARD_GUARD_ENV
 
 pytestmark = pytest.mark.timeout(300)
+ONE_PER_WORKER = ["normal", "thread-ahead", "proc-ahead"]
 ENGINE_KW = dict(
     page_size=16,
     chunked_prefill_size=1024,
@@ -20,6 +23,10 @@ ENGINE_KW = dict(
     max_running_requests=64,
     check_invariants=True,
 )
+
+
+def test_the_modes_run_here_cover_every_worker_kind():
+    assert {MODES[m].worker for m in ONE_PER_WORKER} == {m.worker for m in MODES.values()}
 
 
 def prompts(num: int, length: int, first: int) -> list[list[int]]:
@@ -38,7 +45,7 @@ def forward_calls(log_dir: pathlib.Path) -> dict[tuple[int, int], list[int]]:
 
 
 @pytest.mark.parametrize("device", ["cpu", "emulated"])
-@pytest.mark.parametrize("mode", FORWARD_MODES)
+@pytest.mark.parametrize("mode", ONE_PER_WORKER)
 def test_every_mode_forwards_without_device_reads_in_calls_flat_in_requests(
     mode, device, tmp_path, monkeypatch
 ):
