@@ -423,15 +423,6 @@ class ServerArgs:
         )
         return Device("cpu", emulation)
 
-    @property
-    def num_pages(self) -> int:
-        return self.pool_config().num_pages
-
-    @property
-    def num_swa_pages(self) -> int:
-        """Pages of the SWA pool (used when the model has sliding-window layers)."""
-        return self.pool_config().num_swa_pages
-
     def model_source(self) -> ModelSource:
         return ModelSource(
             self.model_path, self.dtype, self.sliding_window, self.swa_layers, self.random_seed

@@ -84,7 +84,7 @@ def test_an_unsized_cuda_pool_is_refused_before_use():
     args = ServerArgs(device="cuda")
     assert args.max_total_tokens is None
     with pytest.raises(ValueError, match="not sized"):
-        args.num_pages  # noqa: B018
+        args.pool_config().num_pages  # noqa: B018
 
 
 def test_the_arithmetic():
@@ -110,7 +110,7 @@ def test_the_pool_takes_what_the_fraction_leaves_of_free_memory():
     assert memory.asked == [["cuda"]]
     # (2**29 - 19,670,016) // 2,048 = 252,539 tokens, 252,528 in whole pages of 16
     assert args.max_total_tokens == 252_528
-    assert args.num_pages == 252_528 // 16
+    assert args.pool_config().num_pages == 252_528 // 16
     half = FakeMemory(GiB // 2 + 2**28, GiB)  # 256 MiB more held by others
     smaller = size_kv_pool(ServerArgs(device="cuda", mem_fraction_static=0.5), half)
     assert (

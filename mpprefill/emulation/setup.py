@@ -42,8 +42,3 @@ def clock_for(device: Device) -> EmulatedDevice | None:
 def host_link_for(device: Device) -> EmulatedHostLink | None:
     """The host link the host KV tier's copies take; None off the emulated device."""
     return None if device.emulation is None else emulated_host_link(device.emulation)
-
-
-def shape_for(device: Device) -> ModelShape | None:
-    """The emulated model's shape in the flags' dtypes; None off the emulated device."""
-    return None if device.emulation is None else emulated_shape(device.emulation)

@@ -116,4 +116,4 @@ def test_flags_override_the_model_config():
         ServerArgs(swa_full_tokens_ratio=0)
     args = ServerArgs(sliding_window=32, swa_layers="fs", max_total_tokens=1024)
     assert source_config(args.model_source()).layer_types[1] == "sliding_attention"
-    assert args.num_swa_pages == int(1024 // 16 * 0.8)
+    assert args.pool_config().num_swa_pages == int(1024 // 16 * 0.8)

@@ -8,7 +8,7 @@ import torch
 
 from mpprefill.config import ServerArgs
 from mpprefill.emulation.roofline import GPUS, PRESETS, host_copy_time_s
-from mpprefill.emulation.setup import shape_for
+from mpprefill.emulation.setup import emulated_shape
 from mpprefill.engine import PrefillEngine
 
 pytestmark = pytest.mark.timeout(180)
@@ -66,14 +66,16 @@ def test_tensor_parallel_ranks_hold_their_shards_in_the_kv_dtype():
 
 def test_the_emulated_roofline_charges_kv_bytes_at_the_pools_itemsize():
     def bytes_of(**kw) -> tuple[int, int]:
-        shape = shape_for(ServerArgs(device="emulated", **kw).worker_device)
+        shape = emulated_shape(ServerArgs(device="emulated", **kw).worker_device.emulation)
         return shape.dtype_bytes, shape.kv_dtype_bytes
 
     assert bytes_of() == (2, 2)  # auto: the emulated model's own bfloat16
     assert bytes_of(kv_cache_dtype="float32") == (2, 4)
     assert bytes_of(dtype="float32") == (4, 4)
     assert bytes_of(dtype="float32", kv_cache_dtype="float16") == (4, 2)
-    wide = shape_for(ServerArgs(device="emulated", kv_cache_dtype="float32").worker_device)
+    wide = emulated_shape(
+        ServerArgs(device="emulated", kv_cache_dtype="float32").worker_device.emulation
+    )
     narrow = PRESETS["Qwen2.5-0.5B"]
     assert wide.kv_bytes_per_token == 2 * narrow.kv_bytes_per_token
     h200 = GPUS["h200"]
