@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from calibrate_emulation import make_batch  # noqa: E402
 
 from mpprefill.emulation.device import EmulatedDevice, host_config, host_model  # noqa: E402
-from mpprefill.emulation.roofline import resolve_shape  # noqa: E402
+from mpprefill.emulation.shapes import resolve_shape  # noqa: E402
 from mpprefill.memory.kv_cache import KVCache  # noqa: E402
 from mpprefill.model import ModelConfig  # noqa: E402
 

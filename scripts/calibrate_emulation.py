@@ -34,13 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from mpprefill.emulation.device import EmulatedDevice, host_config, host_model  # noqa: E402
-from mpprefill.emulation.roofline import (  # noqa: E402
-    GPUS,
-    ModelShape,
-    head_parts_s,
-    layer_parts_s,
-    resolve_shape,
-)
+from mpprefill.emulation.roofline import GPUS, head_parts_s, layer_parts_s  # noqa: E402
+from mpprefill.emulation.shapes import ModelShape, resolve_shape  # noqa: E402
 from mpprefill.memory.kv_cache import KVCache  # noqa: E402
 from mpprefill.model import ForwardBatch, ModelConfig, build_model  # noqa: E402
 

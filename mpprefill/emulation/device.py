@@ -43,14 +43,12 @@ import torch
 from ipc.events import GenEvent
 from mpprefill.emulation.roofline import (
     GPUS,
-    KERNELS_PER_HEAD,
     DeviceClock,
-    ModelShape,
     head_parts_s,
     host_copy_time_s,
     layer_parts_s,
-    resolve_shape,
 )
+from mpprefill.emulation.shapes import KERNELS_PER_HEAD, ModelShape, resolve_shape
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import CausalLM, ForwardBatch, ModelConfig, build_model
 from mpprefill.streams import HostStream

@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from mpprefill.emulation.device import EmulatedDevice, EmulatedHostLink
-from mpprefill.emulation.roofline import EMULATED_DTYPE, ModelShape, resolve_shape
+from mpprefill.emulation.shapes import EMULATED_DTYPE, ModelShape, resolve_shape
 from mpprefill.model.config import resolve_dtypes
 
 if TYPE_CHECKING:

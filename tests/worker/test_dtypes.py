@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from mpprefill.config import ServerArgs
-from mpprefill.emulation.roofline import GPUS, PRESETS, host_copy_time_s
+from mpprefill.emulation.roofline import GPUS, host_copy_time_s
 from mpprefill.emulation.setup import emulated_shape
+from mpprefill.emulation.shapes import PRESETS
 from mpprefill.engine import PrefillEngine
 
 pytestmark = pytest.mark.timeout(180)

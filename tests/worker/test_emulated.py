@@ -18,13 +18,8 @@ from mpprefill.emulation.device import (
     host_model,
     shrink,
 )
-from mpprefill.emulation.roofline import (
-    DeviceClock,
-    head_parts_s,
-    layer_parts_s,
-    resolve_shape,
-    windowed_pairs,
-)
+from mpprefill.emulation.roofline import DeviceClock, head_parts_s, layer_parts_s, windowed_pairs
+from mpprefill.emulation.shapes import resolve_shape
 from mpprefill.engine import PrefillEngine
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig

@@ -11,15 +11,14 @@ import torch
 from mpprefill.config import ServerArgs
 from mpprefill.emulation import device as emulated
 from mpprefill.emulation.device import EmulatedDevice, LaunchCost, host_config, host_model, shrink
-from mpprefill.emulation.roofline import (
+from mpprefill.emulation.roofline import head_parts_s, layer_parts_s
+from mpprefill.emulation.setup import clock_for
+from mpprefill.emulation.shapes import (
     KERNELS_PER_HEAD,
     KERNELS_PER_LAYER,
     KERNELS_PER_MOE_LAYER,
-    head_parts_s,
-    layer_parts_s,
     resolve_shape,
 )
-from mpprefill.emulation.setup import clock_for
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig
 

@@ -10,19 +10,16 @@ import pytest
 
 from mpprefill.emulation.roofline import (
     GPUS,
-    KERNELS_PER_HEAD,
     MEMORY_EFFICIENCY,
     PEAK_GEMM_EFFICIENCY,
-    PRESETS,
     DeviceClock,
     GpuSpec,
-    ModelShape,
     head_kernels,
     head_parts_s,
     layer_kernels,
     layer_parts_s,
-    resolve_shape,
 )
+from mpprefill.emulation.shapes import KERNELS_PER_HEAD, PRESETS, ModelShape, resolve_shape
 
 LLAMA = PRESETS["Llama-3.1-8B"]
 QWEN_SMALL = PRESETS["Qwen2.5-0.5B"]

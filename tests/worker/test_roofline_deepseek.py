@@ -11,15 +11,13 @@ import pytest
 
 from mpprefill.emulation.device import EmulatedDevice, host_config, host_model
 from mpprefill.emulation.roofline import (
-    DEEPSEEK_V3_CONFIG,
     GPUS,
-    PRESETS,
     GpuSpec,
-    ModelShape,
     head_kernels,
     host_copy_time_s,
     layer_kernels,
 )
+from mpprefill.emulation.shapes import DEEPSEEK_V3_CONFIG, PRESETS, ModelShape
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch
 from mpprefill.model.families import config_from_hf

@@ -7,15 +7,8 @@ import json
 
 import pytest
 
-from mpprefill.emulation.roofline import (
-    GPUS,
-    PRESETS,
-    ModelShape,
-    layer_kernels,
-    layer_parts_s,
-    resolve_shape,
-    windowed_pairs,
-)
+from mpprefill.emulation.roofline import GPUS, layer_kernels, layer_parts_s, windowed_pairs
+from mpprefill.emulation.shapes import PRESETS, ModelShape, resolve_shape
 
 # gpt-oss-20b's config.json on the Hub, the fields the roofline reads.
 GPT_OSS_20B = {

@@ -10,19 +10,21 @@ import pytest
 from mpprefill.emulation.roofline import (
     GEMM_TILES,
     GPUS,
-    KERNELS_PER_HEAD,
-    KERNELS_PER_LAYER,
-    KERNELS_PER_MOE_LAYER,
-    PRESETS,
     GpuSpec,
     Kernel,
-    ModelShape,
     experts_hit,
     gemm_efficiency,
     head_kernels,
     head_parts_s,
     layer_kernels,
     layer_parts_s,
+)
+from mpprefill.emulation.shapes import (
+    KERNELS_PER_HEAD,
+    KERNELS_PER_LAYER,
+    KERNELS_PER_MOE_LAYER,
+    PRESETS,
+    ModelShape,
 )
 
 # Round rates: 1 TFLOP/s, 100 GB/s, a 2 µs floor, 4 SMs; GEMMs top out at peak, attention

@@ -11,16 +11,18 @@ from mpprefill.config import EMULATE_MODELS
 from mpprefill.emulation.roofline import (
     GPUS,
     KERNEL_FLOOR_S,
-    KERNELS_PER_LAYER,
-    KERNELS_PER_MOE_LAYER,
-    PRESETS,
     GpuSpec,
-    ModelShape,
     allreduce_time_s,
     experts_hit,
     experts_time_s,
     layer_kernels,
     layer_parts_s,
+)
+from mpprefill.emulation.shapes import (
+    KERNELS_PER_LAYER,
+    KERNELS_PER_MOE_LAYER,
+    PRESETS,
+    ModelShape,
     resolve_shape,
 )
 

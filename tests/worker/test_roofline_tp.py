@@ -8,13 +8,12 @@ import pytest
 from mpprefill.emulation.device import EmulatedDevice, host_config, host_model
 from mpprefill.emulation.roofline import (
     GPUS,
-    KERNELS_PER_LAYER,
-    PRESETS,
     allgather_time_s,
     allreduce_time_s,
     head_parts_s,
     layer_parts_s,
 )
+from mpprefill.emulation.shapes import KERNELS_PER_LAYER, PRESETS
 from mpprefill.engine import PrefillEngine
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, ModelConfig

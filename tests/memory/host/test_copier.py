@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mpprefill.emulation.device import EmulatedHostLink
-from mpprefill.emulation.roofline import GPUS, DeviceClock, host_copy_time_s, resolve_shape
+from mpprefill.emulation.roofline import GPUS, DeviceClock, host_copy_time_s
+from mpprefill.emulation.shapes import resolve_shape
 from mpprefill.memory.host.copier import HostCopier, SlotCopy, gather, scatter, whole_pages
 from mpprefill.memory.host.writeback import WritebackBuffers
 
