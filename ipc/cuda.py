@@ -215,3 +215,52 @@ class HostFencedEvent:
 
     def query(self, gen: int) -> bool:
         return self.counter.query(gen)
+
+
+class PolledEvent:
+    """An event a CUDA process records for host readers that must see each record as soon
+    as its work completes, not at the next `flush`: every `record` marks a point on the
+    current stream and a thread of its own waits for it, then publishes the generation in
+    the shared counter. Records complete in stream order, so the counter only grows."""
+
+    def __init__(self, counter: ShmEvent):
+        self.counter, self.name = counter, counter.name
+        self._pending: list[tuple[int, torch.cuda.Event]] = []
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._publish, name=f"poll-{self.name}", daemon=True)
+        self._thread.start()
+
+    def record(self, gen: int) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        with self._cv:
+            self._pending.append((gen, event))
+            self._cv.notify_all()
+
+    def _publish(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending:
+                    self._cv.wait()
+                gen, event = self._pending[0]
+            event.synchronize()
+            self.counter.record(gen)
+            with self._cv:
+                self._pending.pop(0)
+                self._cv.notify_all()
+
+    def flush(self) -> None:
+        """Return once every record so far is published."""
+        with self._cv:
+            while self._pending:
+                self._cv.wait(0.01)
+
+    def wait(
+        self, gen: int, timeout: float | None = None, alive: Callable[[], bool] | None = None
+    ) -> None:
+        self.counter.wait(gen, timeout, alive)
+
+    synchronize = wait
+
+    def query(self, gen: int) -> bool:
+        return self.counter.query(gen)

@@ -258,7 +258,16 @@ class EmulatedDevice:
     def of(cls, emulate_model: str, gpu: str, tp_size: int = 1) -> EmulatedDevice:
         return cls(resolve_shape(emulate_model), gpu, tp_size)
 
-    def forward(self, model: CausalLM, fb: ForwardBatch, kv: KVCache):
+    def forward(
+        self,
+        model: CausalLM,
+        fb: ForwardBatch,
+        kv: KVCache,
+        on_layer: Callable[[int], None] | None = None,
+    ):
+        """Issue the forward and charge its time; `on_layer(i)` runs right after layer i's
+        time is charged, so an event recorded there on the stream (EmulatedStream) fires
+        when the clock passes that layer's end."""
         extend = list(fb.extend_lens_cpu)
         prefix = list(fb.prefix_lens_cpu)
         config = model.config
@@ -270,20 +279,22 @@ class EmulatedDevice:
         head_s = head + gather
         first: list[float] = []
 
-        def on_layer(i: int) -> None:
+        def charge(i: int) -> None:
             self.launch.spend(self.shape.kernels_in_layer(i))
             layer_s = sum(layers[i])
             end = self.clock.issue(layer_s)
             if not first:
                 first.append(end - layer_s)
+            if on_layer is not None:
+                on_layer(i)
 
         if self.issue == "free":
             logits = _head_only(model, shrink(fb))
             for i in range(n):
-                on_layer(i)
+                charge(i)
         else:
             model.rotary.reserve(fb.max_seq_len)  # the kept tokens keep their positions
-            logits = model(shrink(fb), kv, on_layer)
+            logits = model(shrink(fb), kv, charge)
         self.launch.spend(KERNELS_PER_HEAD)
         self._forwards += 1
         if self._forwards & (self._forwards - 1) == 0 and self.launch.landed() is not None:

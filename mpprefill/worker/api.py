@@ -24,6 +24,7 @@ from mpprefill.sampling.sampler import Sampled
 if TYPE_CHECKING:
     from mpprefill.memory.kv_cache import KVCache
     from mpprefill.worker.fence import KVWriteFence
+    from mpprefill.worker.layers import LayerProgress
 
 
 def sleep_until_ns(t_ns: int) -> None:
@@ -78,6 +79,9 @@ class Worker:
     # Readers and writers of the KV pool outside the worker (transfer backend, host store)
     # pass this first; None where no forward runs while the scheduler thread works (inline).
     kv_fence: KVWriteFence | None = None
+    # How far each forward has written its KV, layer by layer (`layers.py`), for the
+    # transfer thread's layer-wise sends; None where the worker does not publish it.
+    layer_progress: LayerProgress | None = None
     # The collected forward whose deferred sample is due, by sequence number.
     _sample_due: int | None = None
 

@@ -6,10 +6,15 @@
 | reads_done[slot] | worker    | the forward's last read     | scheduler  | rewriting it (WAR) |
 | forward_done     | worker    | the forward's last KV write | KV readers | reading its pages  |
 | result_ready     | worker    | its result slot writes      | scheduler  | reading results    |
+| layers_done      | worker    | each layer's KV writes      | transfer   | a layer-wise send  |
 
 Generations: staged, reads_done and forward_done carry the batch's seq; result_ready
-carries 2 * seq for a forward and 2 * seq + 1 for its deferred sample. The event classes
-behind these names depend on the device (see `device.py`); the order does not.
+carries 2 * seq for a forward and 2 * seq + 1 for its deferred sample; layers_done carries
+seq * L + layers (`layers.py`). The event classes behind these names depend on the device
+(see `device.py`); the order does not. layers_done is read by the transfer thread, on the
+host, as soon as each layer completes: on a GPU the worker publishes it from a thread that
+waits for each record (`PolledEvent`) rather than at its next reply, and every reader holds
+the bare counter.
 
 Two result slots alternate like the staging slots: forward N writes result slot N % 2,
 so the worker may run N + 1 while the scheduler has not yet read N's results.
@@ -22,13 +27,23 @@ from dataclasses import dataclass
 
 import torch
 
-from ipc.cuda import CudaGenEvent, CudaIpcEvent, HostFencedEvent
+from ipc.cuda import CudaGenEvent, CudaIpcEvent, HostFencedEvent, PolledEvent
 from ipc.events import GenEvent, ShmEvent
+from mpprefill.streams import HostStream
 from mpprefill.worker.device import DevicePlan
+from mpprefill.worker.layers import LayerPublisher
 
 NUM_SLOTS = 2
-EVENT_NAMES = ("staged0", "staged1", "reads_done0", "reads_done1", "forward_done", "result_ready")
-RECORDERS = ("scheduler", "scheduler", "worker", "worker", "worker", "worker")
+EVENT_NAMES = (
+    "staged0",
+    "staged1",
+    "reads_done0",
+    "reads_done1",
+    "forward_done",
+    "result_ready",
+    "layers_done",
+)
+RECORDERS = ("scheduler", "scheduler", "worker", "worker", "worker", "worker", "worker")
 NUM_EVENTS = len(EVENT_NAMES)
 WAIT_S = 60.0  # no barrier legitimately takes longer than a forward; a hang must fail
 
@@ -47,9 +62,11 @@ class EventSet:
     reads_done: list[GenEvent]
     forward_done: GenEvent
     result_ready: GenEvent
+    layers_done: GenEvent
 
     def all(self) -> list[GenEvent]:
-        return [*self.staged, *self.reads_done, self.forward_done, self.result_ready]
+        ordered = [self.forward_done, self.result_ready, self.layers_done]
+        return [*self.staged, *self.reads_done, *ordered]
 
     def flush(self) -> None:
         for event in self.all():
@@ -70,7 +87,9 @@ def make_events(
     for i, (name, recorder) in enumerate(zip(EVENT_NAMES, RECORDERS, strict=True)):
         counter = ShmEvent(table[i : i + 1], name)
         kind = plan.event_kind(side, recorder)
-        if kind == "cuda" and cuda_handles is None:
+        if name == "layers_done":
+            events.append(PolledEvent(counter) if side == "worker" and kind != "shm" else counter)
+        elif kind == "cuda" and cuda_handles is None:
             cuda = CudaIpcEvent.create()
             created[name] = cuda.handle()
             events.append(CudaGenEvent(counter, cuda))
@@ -82,7 +101,8 @@ def make_events(
         else:
             events.append(counter)
     s = NUM_SLOTS
-    return EventSet(events[:s], events[s : 2 * s], events[2 * s], events[2 * s + 1]), created
+    rest = events[2 * s :]
+    return EventSet(events[:s], events[s : 2 * s], *rest), created
 
 
 class SchedulerOrder:
@@ -139,6 +159,10 @@ class WorkerOrder:
 
     def forward_done(self, seq: int) -> None:
         self.record(self.events.forward_done, seq)
+
+    def layers(self, stream: HostStream, num_layers: int) -> LayerPublisher:
+        """The publisher of each layer's completion, on the worker's stream."""
+        return LayerPublisher(self.events.layers_done, stream, num_layers)
 
     def result_ready(self, gen: int) -> None:
         self.record(self.events.result_ready, gen)

@@ -1,7 +1,8 @@
 """The forward process: owns the device, the model and the KV pool; serves one message at
 a time.
 
-Per Submit, in stream order: wait "staged", read the slot, forward, record "reads done"
+Per Submit, in stream order: wait "staged", read the slot, forward (recording "layers
+done" after each layer: `layers.py`), record "reads done"
 (after the copy-in when the slot was copied, else after the forward), "forward done",
 write result slot seq % 2, record "result ready". Then flush (publish what a host-only
 scheduler waits on) and reply. On a GPU (and on the emulated accelerator) the reply leaves
@@ -51,6 +52,7 @@ from mpprefill.worker.build import (
 from mpprefill.worker.device import DevicePlan
 from mpprefill.worker.events import WorkerOrder, forward_gen, make_events, sample_gen
 from mpprefill.worker.hooks import DeviceHooks, LateReads
+from mpprefill.worker.layers import LayerPublisher
 from mpprefill.worker.mailboxes import Inbox, Outbox
 from mpprefill.worker.messages import Done, Exit, Failed, Ready, Sample, Submit
 from mpprefill.worker.runner import ForwardRunner, set_torch_threads
@@ -111,6 +113,7 @@ class WorkerLoop:
     # on tensor-parallel ranks other than 0, whose results nobody reads
     order: WorkerOrder
     stream: HostStream
+    layers: LayerPublisher  # each layer's completion, for the transfer thread
     late_reads: LateReads | None = None
     read_ahead: bool = False  # the receiving thread reads host slots (see the module doc)
     last: tuple | None = None  # (seq, logits, sampling) of a deferred forward, for its Sample
@@ -175,7 +178,7 @@ class WorkerLoop:
         if copied:
             o.reads_done(slot, seq)
         inp = ForwardInput(seq, fb, sampling, msg.delay_sample, msg.want_logits)
-        out = self.runner.forward(inp)
+        out = self.runner.forward(inp, self.layers.hook(seq))
         self.last = (seq, out.logits.clone(), _own_copy(sampling)) if msg.delay_sample else None
         if not copied:
             self._release(slot, seq, fb)
@@ -321,7 +324,8 @@ def _setup(settings: WorkerConfig, setup: WorkerSetup, parent: int):
     order = WorkerOrder(events, alive=lambda: ipc.parent_alive(parent), record=stream.record)
     late = setup.hooks.late_reads(plan)
     read_ahead = plan.device == "cpu"  # host slots, read in place
-    loop = WorkerLoop(runner, slots, views, order, stream, late, read_ahead)
+    layers = order.layers(stream, len(runner.model.layers))
+    loop = WorkerLoop(runner, slots, views, order, stream, layers, late, read_ahead)
     handles = {} if result is None else result.handles
     ready = Ready(os.getpid(), kv_shared.handle, handles, dataclasses.asdict(cfg))
     return loop, ready, (kv_shared, result, pinned)

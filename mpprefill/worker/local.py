@@ -12,22 +12,28 @@ import threading
 import time
 from collections import deque
 
+from mpprefill.emulation.device import EmulatedStream
 from mpprefill.sampling.sampler import Sampled
+from mpprefill.streams import HostStream
 from mpprefill.worker.api import ForwardInput, ForwardResult, Worker, WorkerDied, sleep_until_ns
 from mpprefill.worker.fence import KVWriteFence
+from mpprefill.worker.layers import local_layers
 from mpprefill.worker.runner import ForwardRunner
 
 
 class _LocalWorker(Worker):
     def __init__(self, runner: ForwardRunner):
         self.runner = runner
+        # each layer's completion, on the device's time (the emulated clock's, or at once)
+        stream = HostStream() if runner.device is None else EmulatedStream(runner.device.clock)
+        self.layers, self.layer_progress = local_layers(stream, len(runner.model.layers))
 
     @property
     def kv_cache(self):
         return self.runner.kv
 
     def _run(self, inp: ForwardInput) -> ForwardResult:
-        return ForwardResult(inp.seq, *self.runner.forward(inp))
+        return ForwardResult(inp.seq, *self.runner.forward(inp, self.layers.hook(inp.seq)))
 
     def sample(self, inp: ForwardInput, timeout: float | None = None) -> Sampled:
         self._check_sample(inp, self._in_flight())

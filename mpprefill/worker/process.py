@@ -30,6 +30,7 @@ from mpprefill.worker.group import (
     stop_process,
 )
 from mpprefill.worker.hooks import DeviceHooks
+from mpprefill.worker.layers import LayerProgress
 from mpprefill.worker.messages import Done, Exit, Failed, Ready, Sample, Submit
 from mpprefill.worker.staging import make_staging, staging_specs
 
@@ -118,6 +119,8 @@ class ProcessWorker(Worker):
         self._readies = readies
         self._ready = readies[0]
         self.model_config = ModelConfig(**self._ready.model_config)
+        counters = [rank.order.events.layers_done for rank in self.ranks]
+        self.layer_progress = LayerProgress(counters, self.model_config.num_hidden_layers)
         self.result = ipc.open_bundle(self._ready.result)  # rank 0 writes the results
 
     @property

@@ -8,6 +8,7 @@ says when (`end_ns`); readers of its results or KV pages wait for that time.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -22,6 +23,7 @@ from mpprefill.trace.tracer import clock_ns, get_tracer
 from mpprefill.worker.api import ForwardInput
 
 T = TypeVar("T", ForwardBatch, SamplingBatchInfo)
+OnLayer = Callable[[int], None]
 
 
 class RunOutput(NamedTuple):
@@ -53,11 +55,14 @@ class ForwardRunner:
         self.vocab_size = model.config.vocab_size
 
     @torch.inference_mode()
-    def forward(self, inp: ForwardInput) -> RunOutput:
+    def forward(self, inp: ForwardInput, on_layer: OnLayer | None = None) -> RunOutput:
+        """`on_layer(i)` runs once layer i's work (its KV writes included) is issued: the
+        worker publishes each layer's completion there (`layers.py`)."""
         t0 = clock_ns()
         fb = self.on_device(inp.forward)
         sampling = self.on_device(inp.sampling)
-        logits = self._forward(fb) if self.guard is None else self._guarded(fb)
+        run = self._forward if self.guard is None else self._guarded
+        logits = run(fb, on_layer)
         sampled = None if inp.delay_sample else sample_with_logprobs(logits, sampling)
         tokens = None if sampled is None else sampled.tokens
         logprobs = None if sampled is None else sampled.logprobs
@@ -70,14 +75,14 @@ class ForwardRunner:
             return RunOutput(tokens, logits, forward_s, t0, t1, forward_s, 0.0, logprobs)
         return RunOutput(tokens, logits, forward_s, *self.device.last_forward(), logprobs)
 
-    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def _forward(self, fb: ForwardBatch, on_layer: OnLayer | None) -> torch.Tensor:
         if self.device is None:
-            return self.model(fb, self.kv)
-        return self.device.forward(self.model, fb, self.kv)
+            return self.model(fb, self.kv, on_layer)
+        return self.device.forward(self.model, fb, self.kv, on_layer)
 
-    def _guarded(self, fb: ForwardBatch) -> torch.Tensor:
+    def _guarded(self, fb: ForwardBatch, on_layer: OnLayer | None) -> torch.Tensor:
         with self.guard.watch(fb) as guarded:
-            logits = plain(self._forward(guarded))
+            logits = plain(self._forward(guarded, on_layer))
         if self.guard_log is not None:
             with open(self.guard_log, "a") as f:
                 f.write(f"{fb.batch_size} {fb.num_tokens} {self.guard.calls}\n")
