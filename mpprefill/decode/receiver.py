@@ -11,14 +11,16 @@ to `arrived` with its pages, which are then the server's.
 
 A room belongs to the connection that registered it (the router) and to the first prefill
 that bootstraps it (`Room.peer`): a bootstrap, transfer_done or abort from anyone else is
-refused. Every reply to a prefill names this run (`instance`), and a transfer_done must name
-it back. A bootstrap names the prefill's KV layout (K and V per head, or a latent model's
-one row per token), its tensor-parallel size, the KV heads of each pool it writes and their
-dtype; a room whose layout is not this pool's, whose pools do not tile this pool's heads,
-or hold another dtype than this pool's, fails at its bootstrap, before any page is written
-(a prefill at any TP size fills this pool, each pool its heads of every slot; pages are
-copied as bytes). A latent model (DeepSeek-V3) gets a latent pool, one row per token and
-layer, as its prefill keeps.
+refused. Every reply to a prefill names this run (`instance`), and a transfer_done must
+name it back. A prefill that sends layer by layer says so in its bootstrap; the room then
+counts each page's layers from the prefill's `layers_written` and takes transfer_done only
+once every page has every layer. A bootstrap names the prefill's KV layout (K and V per
+head, or a latent model's one row per token), its tensor-parallel size, the KV heads of
+each pool it writes and their dtype; a room whose layout is not this pool's, whose pools do
+not tile this pool's heads, or hold another dtype than this pool's, fails at its bootstrap,
+before any page is written (a prefill at any TP size fills this pool, each pool its heads
+of every slot; pages are copied as bytes). A latent model (DeepSeek-V3) gets a latent pool,
+one row per token and layer, as its prefill keeps.
 Everything waits against a deadline: registrations for pages (`--register-timeout`), rooms
 for their KV (`--waiting-timeout`), aborted rooms for the prefill's confirmation
 (_DRAIN_S); registrations waiting are capped.
@@ -67,6 +69,8 @@ class Room:
     verifying: bool = False
     client: bool = False  # the decode server's request, not a router's
     first_logprob: TokenLogprob | None = None  # sent with the first token, when asked
+    # layers in of each page the prefill sends (a layer-wise prefill); None: whole pages
+    layers: torch.Tensor | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -298,10 +302,49 @@ class DecodeReceiver:
             return
         room.peer = ident
         pages = room.pages.tolist()
+        if msg.layerwise:  # each page counts as in once all its layers are
+            room.layers = torch.zeros(self._pages_to_send(room), dtype=torch.int64)
         reply = wire.BootstrapReply(
             msg.room, "ready", self._pool_desc, pages, room.prefix_len, instance=self.instance
         )
         self._send(ident, reply)
+
+    def _pages_to_send(self, room: Room) -> int:
+        return len(room.pages) - room.prefix_len // self.args.page_size
+
+    def _on_layers_written(self, ident: bytes, msg: wire.LayersWritten) -> None:
+        """Pages of a layer-wise room hold their first `layers` layers."""
+        room = self.rooms.get(msg.room)
+        ours = room is not None and room.peer == ident and msg.instance == self.instance
+        if not ours or room.layers is None or room.verifying:
+            error = f"room {msg.room} is not receiving layers from this peer in this run"
+            self._send(ident, wire.ErrorReply(error, msg.room))
+            return
+        end = msg.first_page + msg.num_pages
+        if end > len(room.layers) or msg.layers > self.layout.num_layers:
+            error = (
+                f"layers_written of pages [{msg.first_page}, {end}) x {msg.layers} layers:"
+                f" the room has {len(room.layers)} pages of {self.layout.num_layers} layers"
+            )
+            self._fail_transfer(ident, room, error)
+            return
+        pages = room.layers[msg.first_page : end]
+        torch.clamp_min(pages, msg.layers, out=pages)
+
+    def _missing_layers(self, room: Room) -> str | None:
+        """Why a layer-wise room's KV is not all in (None: every page has every layer)."""
+        if room.layers is None:
+            return None
+        short = (room.layers < self.layout.num_layers).nonzero().flatten()
+        if not len(short):
+            return None
+        k = int(short[0])
+        have = int(room.layers[k])
+        return f"page {k} has {have} of {self.layout.num_layers} layers ({len(short)} pages short)"
+
+    def _fail_transfer(self, ident: bytes, room: Room, error: str) -> None:
+        self._send(ident, wire.Ack(room.room, False, error, self.instance))
+        self._finish(room, wire.RouterReply(room.rid, "error", error=error))
 
     def _on_transfer_done(self, ident: bytes, msg: wire.TransferDone) -> None:
         room = self.rooms.get(msg.room)
@@ -310,13 +353,14 @@ class DecodeReceiver:
             error = f"room {msg.room} is not receiving from this peer in this run"
             self._send(ident, wire.Ack(msg.room, False, error, self.instance))
             return
-        expected = len(room.pages) - room.prefix_len // self.args.page_size
+        expected = self._pages_to_send(room)
         if msg.logprob is not None or msg.top_logprobs is not None:
             room.first_logprob = TokenLogprob(msg.logprob, msg.top_logprobs or [])
+        missing = self._missing_layers(room)
         if msg.num_pages != expected:
-            error = f"{msg.num_pages} pages arrived, {expected} expected"
-            self._send(ident, wire.Ack(msg.room, False, error, self.instance))
-            self._finish(room, wire.RouterReply(room.rid, "error", error=error))
+            self._fail_transfer(ident, room, f"{msg.num_pages} pages arrived, {expected} expected")
+        elif missing is not None:
+            self._fail_transfer(ident, room, missing)
         elif self.verifier is not None:
             room.verifying = True
             received = self._received_kv(room)
@@ -349,6 +393,7 @@ class DecodeReceiver:
         wire.Register: _on_register,
         wire.Bootstrap: _on_bootstrap,
         wire.TransferDone: _on_transfer_done,
+        wire.LayersWritten: _on_layers_written,
         wire.Abort: _on_abort,
         wire.Ping: _on_ping,
     }

@@ -23,7 +23,8 @@ Write = tuple[torch.Tensor, torch.Tensor, PoolPlanes]  # source pages, destinati
 class PageWrites:
     """The shipped pools as planes, and the model's whole pool layout they fill."""
 
-    def __init__(self, shipped: ShippedKV, page_size: int) -> None:
+    def __init__(self, shipped: ShippedKV, page_size: int, layerwise: bool = False) -> None:
+        """`layerwise`: sends may go layer by layer (bootstraps say so)."""
         num_slots = shipped.shards[0].kv.num_slots
         if page_size < 1 or num_slots < page_size:
             raise ValueError(f"bad page size {page_size} for a pool of {num_slots} slots")
@@ -32,6 +33,17 @@ class PageWrites:
         self.layout = shipped.layout(page_size)
         # (full pool, SWA pool or None) of each shipped pool, in head order
         self.planes = [pool_planes(s.kv, page_size, s.heads) for s in shipped.shards]
+        self.layerwise = layerwise
+        # layer j's planes of each shipped pool (layer-wise sends: full pools only)
+        self._layers = [
+            [full.layer(j) for full, _ in self.planes] for j in range(self.planes[0][0].num_layers)
+        ]
+
+    @property
+    def can_go_by_layer(self) -> bool:
+        """Every layer lives in the full pool: a pool with sliding-window layers sends its
+        last window with the last send, whole (its pages are known only then)."""
+        return self.planes[0][1] is None
 
     def limits(self, bootstrap_timeout: float, transfer_timeout: float) -> SenderLimits:
         """What every sender checks its pages and deadlines against."""
@@ -44,7 +56,13 @@ class PageWrites:
         shipped = self.shipped
         layout = self.layout
         return wire.Bootstrap(
-            room, shipped.tp_size, shipped.kv_heads, layout.dtype, layout.kv_layout, layout.head_dim
+            room,
+            shipped.tp_size,
+            shipped.kv_heads,
+            layout.dtype,
+            layout.kv_layout,
+            layout.head_dim,
+            self.layerwise,
         )
 
     def moves_pages(self, cmd: TransferCmd) -> bool:
@@ -61,6 +79,15 @@ class PageWrites:
             if window:
                 out.append((cmd.swa_src, cmd.swa_dst, swa))
         return out
+
+    def layer_writes(self, cmd: TransferCmd, layer: int) -> list[Write]:
+        """The writes of layer `layer` of a layer-wise send, pool by pool."""
+        return [(cmd.src, cmd.dst, planes) for planes in self._layers[layer]]
+
+    def layers_written(self, s: TransferSender, cmd: TransferCmd) -> wire.LayersWritten:
+        """The announcement of a send's pages once every layer of them is written."""
+        layers = self.layout.num_layers
+        return wire.LayersWritten(s.room, cmd.first_page, len(cmd.src), layers, s.instance)
 
     def check_reply(self, msg: wire.BootstrapReply, remote: wire.PoolLayout) -> torch.Tensor:
         """The room's destination pages in the decode pool `remote` the reply named;

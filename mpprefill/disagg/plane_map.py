@@ -50,6 +50,7 @@ class PoolPlanes:
     dst_planes: torch.Tensor  # int64 [planes]
     heads: range
     head_dim: int
+    num_layers: int  # layers of the pool: K's planes of each, then V's (latent: one each)
 
     @property
     def num_pages(self) -> int:
@@ -58,6 +59,13 @@ class PoolPlanes:
     @property
     def page_size(self) -> int:
         return self.view.shape[2] // (len(self.heads) * self.head_dim)
+
+    def layer(self, j: int) -> PoolPlanes:
+        """The planes of this pool's layer j alone (its K and V planes, or its latent rows'
+        one): a strided view of the same memory, for a layer-wise send."""
+        n = self.num_layers
+        view = self.view[j::n]
+        return PoolPlanes(view, self.dst_planes[j::n], self.heads, self.head_dim, 1)
 
 
 def pool_planes(
@@ -76,7 +84,7 @@ def _planes(buffer: torch.Tensor, layers, num_layers: int, page_size: int, heads
     ids = torch.tensor(layers, dtype=torch.int64)
     view = plane_view(buffer, page_size)
     dst = torch.cat([ids + c * num_layers for c in range(buffer.shape[0])])
-    return PoolPlanes(view, dst, heads, buffer.shape[4])
+    return PoolPlanes(view, dst, heads, buffer.shape[4], len(layers))
 
 
 def head_rows(remote: torch.Tensor, planes: PoolPlanes) -> torch.Tensor:

@@ -29,7 +29,9 @@ class KVSender:
     Calls on one sender always come from the scheduler thread, in order:
     `init` once bootstrapped, then `send` for each page range, the last with
     `last=True` (carrying the first token, and its logprob where the request asked for
-    logprobs), while `poll` is asked every loop.
+    logprobs), while `poll` is asked every loop. A send with `layer_seq` N is layer-wise:
+    queued when forward N, which writes its pages, is submitted, and read layer by layer as
+    that forward writes them (the backend's `layers`).
     With sliding-window layers the last send's `state_indices` are the SWA-pool pages of
     the prompt's last window (planes.window_swa_pages), which pair with its last pages.
     """
@@ -44,6 +46,7 @@ class KVSender:
         first_token: int | None = None,
         state_indices: torch.Tensor | None = None,
         first_logprob: TokenLogprob | None = None,
+        layer_seq: int = 0,
     ) -> None:
         raise NotImplementedError
 
@@ -79,7 +82,13 @@ class FakeSender(KVSender):
         self._done = self._aborted = False
 
     def send(
-        self, page_indices, last=False, first_token=None, state_indices=None, first_logprob=None
+        self,
+        page_indices,
+        last=False,
+        first_token=None,
+        state_indices=None,
+        first_logprob=None,
+        layer_seq=0,
     ) -> None:
         self.sent_pages.extend(int(p) for p in page_indices)
         if last:
@@ -104,6 +113,7 @@ class FakeTransfer:
 
     name = "fake"
     needs_bootstrap_room = False
+    layers = None  # it reads no page, so it sends none layer by layer
 
     def create_sender(self, req) -> KVSender:
         return FakeSender()

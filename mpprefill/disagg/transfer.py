@@ -20,6 +20,11 @@ The backend owns the thread and composes its parts, each called from the thread 
       TransferDeadlines transfer_deadlines.py   what is due when: bootstraps, expiry, pings
     DecodeReplies       decode_replies.py       each frame from a link, applied to its room
     PageWrites          page_writes.py          which pages a send writes where
+    LayerwiseSends      layerwise_sends.py      layer-wise sends: which layer is due
+
+With `layers` (the worker's per-layer counter) a send may be layer-wise: queued when its
+forward is submitted, each layer written as soon as the forward wrote it. Commands behind a
+send of a sender whose pages still go layer by layer (its last send) wait for them, in order.
 
 It polls, runs the commands the senders queue, and does what needs the decode pool: the
 subclass hooks (`_attach`, `_write`, `_release`: shm_backend.py, mooncake_backend.py) open
@@ -39,6 +44,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 
 import torch
 import zmq
@@ -47,6 +53,7 @@ from mpprefill.disagg import wire
 from mpprefill.disagg.bootstrap_server import DEFAULT_MAX_WAITING, BootstrapEndpoint
 from mpprefill.disagg.decode_links import DecodeLink, DecodeLinks
 from mpprefill.disagg.decode_replies import DecodeReplies
+from mpprefill.disagg.layerwise_sends import LayerSend, LayerwiseSends
 from mpprefill.disagg.live_rooms import LiveRooms
 from mpprefill.disagg.page_writes import PageWrites
 from mpprefill.disagg.plane_map import PoolPlanes
@@ -84,6 +91,7 @@ class TransferBackend:
         bootstrap_host: str = "127.0.0.1",
         bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
         max_waiting_registrations: int = DEFAULT_MAX_WAITING,
+        layers=None,
     ) -> None:
         """`kv`: the prefill's KV pool, or every tensor-parallel rank's with the KV heads it
         holds (Worker.kv_shards; rank_pools.py says which are read, each writing its heads).
@@ -96,9 +104,19 @@ class TransferBackend:
         pages: see TransferSender._window). Without `decode_address`, the bootstrap endpoint binds
         `bootstrap_host:bootstrap_port` (0: any free port; `.endpoint.port` says which);
         registrations whose request has not come yet wait at most `bootstrap_timeout`, at
-        most `max_waiting_registrations` of them."""
+        most `max_waiting_registrations` of them. `layers` (the worker's `layer_progress`,
+        optional): how far each forward wrote its KV, layer by layer; with it, sends that
+        name their forward (`layer_seq`) go layer by layer, and `layers` stays set only
+        where the pool allows it (no sliding-window pool)."""
         self.shipped = ShippedKV.of(kv)
         self.pages = PageWrites(self.shipped, page_size)
+        if layers is not None and not self.pages.can_go_by_layer:
+            logger.info("layer-wise send off: the KV pool has sliding-window layers")
+            layers = None
+        self.layers = layers
+        self.pages.layerwise = layers is not None
+        self.layerwise = None if layers is None else LayerwiseSends(layers)
+        self._held: deque[tuple[TransferCmd, int]] = deque()  # behind a layer-wise send
         self.page_size = page_size
         self.layout = self.pages.layout
         self.planes = self.pages.planes
@@ -218,17 +236,25 @@ class TransferBackend:
     def _step(self) -> bool:
         """One round: commands, frames from the links and the endpoint, then what is due.
         False once the stop command came."""
-        events = dict(self._poller.poll(20 if self.rooms.busy else 200))
+        events = dict(self._poller.poll(self._poll_ms()))
         if self.commands.wake_fd in events:
             self.commands.clear_wake()
         if not self._run_commands():
             return False
+        self._send_layers()
         for link in self.rooms.links.readable(events):
             self._read_link(link)
         if self.endpoint is not None and self.endpoint.sock in events:
             self.rooms.read_registrations()
         self._tick(time.monotonic())
         return True
+
+    def _poll_ms(self) -> int:
+        """Layer-wise sends wait for layers a forward is computing: look at its counter
+        each millisecond (a layer takes longer)."""
+        if self.layerwise is not None and self.layerwise.waiting:
+            return 1
+        return 20 if self.rooms.busy else 200
 
     def _run_commands(self) -> bool:
         while True:
@@ -238,14 +264,80 @@ class TransferBackend:
                 return True
             if cmd is None:
                 return False
-            if cmd.kind == "refuse":
-                self.rooms.refuse(cmd.room, cmd.reason, cmd.code)
-            elif cmd.kind == "start":
-                self.rooms.start(cmd.sender)
-            elif cmd.kind == "send":
-                self._send_pages(cmd, after)
-            else:  # "abort": the sender failed already; the decode side frees its room
-                self.rooms.fail(cmd.sender, cmd.sender.failure_reason())
+            if self._held or self._waits_for_layers(cmd):
+                self._held.append((cmd, after))
+            else:
+                self._do(cmd, after)
+
+    def _waits_for_layers(self, cmd: TransferCmd) -> bool:
+        """A whole send of a sender whose pages still go layer by layer."""
+        lw = self.layerwise
+        whole = cmd.kind == "send" and not cmd.layer_seq
+        return lw is not None and whole and lw.holds(cmd.sender)
+
+    def _do(self, cmd: TransferCmd, after: int) -> None:
+        if cmd.kind == "send" and cmd.layer_seq:
+            self._send_by_layer(cmd)
+        elif cmd.kind == "refuse":
+            self.rooms.refuse(cmd.room, cmd.reason, cmd.code)
+        elif cmd.kind == "start":
+            self.rooms.start(cmd.sender)
+        elif cmd.kind == "send":
+            self._send_pages(cmd, after)
+        else:  # "abort": the sender failed already; the decode side frees its room
+            self.rooms.fail(cmd.sender, cmd.sender.failure_reason())
+
+    def _send_by_layer(self, cmd: TransferCmd) -> None:
+        """Take a layer-wise send; without a per-layer counter, send it whole once its
+        forward is done."""
+        if self.layerwise is None:
+            self._send_pages(cmd, cmd.layer_seq if self.fence is not None else 0)
+        elif self.rooms.holds(cmd.sender) and cmd.sender.is_live:
+            self.layerwise.add(cmd)
+
+    def _send_layers(self) -> None:
+        """Write every layer the forwards have finished of the layer-wise sends, then run
+        the commands that waited for them."""
+        if self.layerwise is None:
+            return
+        for x, layer in self.layerwise.due():
+            if not x.dropped:
+                self._send_layer(x, layer)
+        while self._held and not self._waits_for_layers(self._held[0][0]):
+            self._do(*self._held.popleft())
+
+    def _send_layer(self, x: LayerSend, layer: int) -> None:
+        s = x.cmd.sender
+        if not self.rooms.holds(s) or not s.is_live:
+            self.layerwise.drop(x)  # its pages may be freed: none is read
+            return
+        try:
+            self._write_layer(x, layer)
+        except Exception as e:
+            logger.warning("room %s: writing layer %d failed: %s", s.room, layer, e)
+            self.layerwise.drop(x)
+            self.rooms.fail(s, f"page write failed: {e}")
+            return
+        if self.layerwise.overtaken(x, layer) and self._reused(x):
+            self.layerwise.drop(x)
+            self.rooms.fail(s, "a page went to a later forward before its layer was sent")
+        elif self.layerwise.wrote(x, layer):
+            s.wrote(len(x.cmd.src))
+            if s.layerwise:
+                self.rooms.post(s.room, self.pages.layers_written(s, x.cmd))
+
+    def _write_layer(self, x: LayerSend, layer: int) -> None:
+        t0 = clock_ns()
+        for src, dst, planes in self.pages.layer_writes(x.cmd, layer):
+            self._write(x.cmd.sender.target, src, dst, planes)
+        tracer = get_tracer()
+        if tracer.enabled:
+            tracer.record("transfer-layer", t0, clock_ns() - t0, layer)
+
+    def _reused(self, x: LayerSend) -> bool:
+        """Some page of `x` was handed to a later forward (the KV write fence says which
+        forward writes each page last): what was read of it may be that forward's."""
+        return self.fence is not None and self.fence.required(x.cmd.src) > x.seq
 
     def _send_pages(self, cmd: TransferCmd, after: int = 0) -> None:
         s = cmd.sender
@@ -259,6 +351,8 @@ class TransferBackend:
             self.rooms.fail(s, f"page write failed: {e}")
             return
         s.wrote(len(cmd.src))
+        if s.layerwise and len(cmd.src):
+            self.rooms.post(s.room, self.pages.layers_written(s, cmd))
         if cmd.last:
             s.awaiting_ack = True
             self.rooms.post(s.room, self.pages.transfer_done(s, cmd))
@@ -293,7 +387,8 @@ class TransferBackend:
             self.rooms.fail(s, f"unusable bootstrap reply: {type(e).__name__}: {e}")
             return
         prefix = msg.decode_prefix_len
-        s.ready(target, dst, prefix, prefix // self.page_size, msg.instance)
+        layerwise = self.layers is not None  # its bootstrap said so
+        s.ready(target, dst, prefix, prefix // self.page_size, msg.instance, layerwise)
 
     def _check_reply(self, msg: wire.BootstrapReply, address: str) -> tuple[object, torch.Tensor]:
         """The decode pool the reply names, opened, and the room's pages in it."""
@@ -316,6 +411,13 @@ class TransferBackend:
 
     def _fail_queued(self, why: str) -> None:
         """Fail the senders of commands left behind by a crash, or sent after close."""
+        left = [] if self.layerwise is None else self.layerwise.take_all()
+        left += [cmd for cmd, _ in self._held]
+        self._held.clear()
+        for cmd in left:
+            if cmd.sender is not None:
+                cmd.sender.fail(why)
+                cmd.sender.let_go()
         while True:
             try:
                 cmd, _ = self.commands.get()

@@ -37,6 +37,8 @@ class TransferCmd:
     first_logprob: TokenLogprob | None = None  # with first_token, where the request asked
     swa_src: torch.Tensor | None = None  # the last window's pages in the prefill SWA pool
     swa_dst: torch.Tensor | None = None  # ... and in the decode pool
+    layer_seq: int = 0  # a layer-wise send: forward that writes its pages (0: whole pages)
+    first_page: int = 0  # "send": its first page's index among the room's sent pages
     room: int | None = None  # "refuse": the room of the refused request
     reason: str = ""  # "refuse": why it was refused
     code: int | None = None  # "refuse": the status the server replied with (protocol.Code)
@@ -46,7 +48,8 @@ class CommandQueue:
     """Commands for the transfer thread, in order, and a pipe that wakes its poll.
 
     `fence` (the worker's `kv_fence`, optional): each send's command is queued with the
-    forward its pages need (`fence.required`), named on the scheduler thread.
+    forward its pages need (`fence.required`), named on the scheduler thread; a layer-wise
+    send waits on the forward's per-layer counter instead (layerwise_sends.py).
     """
 
     def __init__(self, fence=None) -> None:
@@ -59,6 +62,7 @@ class CommandQueue:
     def put(self, cmd: TransferCmd | None) -> None:
         """Queue `cmd` (None: stop the thread) and wake the thread."""
         fenced = self.fence is not None and cmd is not None and cmd.kind == "send"
+        fenced = fenced and not cmd.layer_seq
         self._cmds.put((cmd, self.fence.required(cmd.src) if fenced else 0))
         with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
             os.write(self._wake_w, b"\0")
@@ -117,6 +121,7 @@ class TransferSender(KVSender):
         self.transfer_by = math.inf  # the backend's deadline for the ack
         self.pages_sent = 0  # pages written so far (transfer thread)
         self.awaiting_ack = False  # its transfer_done went out (transfer thread)
+        self.layerwise = False  # its pages are announced with their layers (its bootstrap)
         self._prefix_pages = 0
         self._commands = commands
         self._limits = limits
@@ -147,7 +152,13 @@ class TransferSender(KVSender):
             self.abort(f"{num_pages} pages to send but the decode side has {room}")
 
     def send(
-        self, page_indices, last=False, first_token=None, state_indices=None, first_logprob=None
+        self,
+        page_indices,
+        last=False,
+        first_token=None,
+        state_indices=None,
+        first_logprob=None,
+        layer_seq=0,
     ) -> None:
         if self.state == KVPoll.Failed:
             return
@@ -161,6 +172,8 @@ class TransferSender(KVSender):
             return
         cmd = TransferCmd("send", self, src, self._next_dst(len(src)), last, first_token)
         cmd.first_logprob = first_logprob
+        cmd.layer_seq = layer_seq
+        cmd.first_page = self._queued
         if swa is not None:
             cmd.swa_src, cmd.swa_dst = swa
         self._queue_send(cmd)
@@ -247,10 +260,12 @@ class TransferSender(KVSender):
         prefix_len: int,
         prefix_pages: int,
         instance: str = "",
+        layerwise: bool = False,
     ) -> None:
         with self._lock:
             if self.state != KVPoll.Bootstrapping:
                 return
+            self.layerwise = layerwise
             self.target = target
             self.dst_pages = dst_pages
             self.decode_prefix_len = prefix_len

@@ -10,9 +10,11 @@ cost the same, and the router speaks JSON.)
   router -> decode        register          rid, bootstrap_room, input_ids
   decode -> router        (none)            rid, status done|error, first_token, verified,
                                             max_abs_err | error
-  prefill -> decode       bootstrap         room, tp_size, kv_heads, dtype, kv_layout, kv_dim
+  prefill -> decode       bootstrap         room, tp_size, kv_heads, dtype, kv_layout, kv_dim,
+                                            layerwise
   decode -> prefill       bootstrap_reply   room, status ready|unknown|error, pool,
                                             dst_pages, decode_prefix_len, error, instance
+  prefill -> decode       layers_written    room, first_page, num_pages, layers, instance
   prefill -> decode       transfer_done     room, first_token, num_pages, instance,
                                             logprob, top_logprobs (the first token's,
                                             where its request asked; else null)
@@ -45,6 +47,15 @@ kv_lora_rank + qk_rope_head_dim) that every head's K and V are decompressed from
 not named, a prefill of before). The decode refuses a room whose layout is not its own
 pool's (`layout_error`), naming both. A latent page is page_size rows of kv_dim per layer:
 one plane per layer, where K and V have two (plane_map.py).
+
+NOTE: layerwise. A prefill that writes pages layer by layer says so in its bootstrap
+(`layerwise: true`); it then announces every page it writes into the room once all its
+layers are in (`layers_written`: the room's sent pages [first_page, first_page +
+num_pages), counted as transfer_done counts them, hold layers [0, layers)), and the decode
+accepts transfer_done only when every page has all of its layers. A bootstrap leaves out
+its fields at their defaults, so one without layer-wise send reads as before to a decode
+of before, which refuses a layer-wise one as a malformed frame (the room fails at its
+bootstrap, before any page is written); a prefill of before never sets it.
 
 NOTE: `instance` names one run of a decode receiver. The prefill sends back the instance
 that answered a room's bootstrap and accepts only that instance's ack, so a receiver that
@@ -238,7 +249,7 @@ class RouterReply(codec.Message, omit_defaults=True):
     error: Str | None = None
 
 
-class Bootstrap(Tagged, tag="bootstrap"):
+class Bootstrap(Tagged, tag="bootstrap", omit_defaults=True):
     room: Int
     tp_size: Positive = 1  # the prefill's tensor-parallel size
     # [start, stop) per pool written
@@ -246,6 +257,7 @@ class Bootstrap(Tagged, tag="bootstrap"):
     dtype: Str = ""  # the prefill's KV pool dtype ("": not named)
     kv_layout: KVLayout = "heads"  # what its pool keeps per token and layer
     kv_dim: Int = 0  # its head_dim, or its latent row's width (0: not named)
+    layerwise: bool = False  # it writes pages layer by layer and announces them
 
     def __post_init__(self) -> None:
         # NOTE: start < stop relates two items of a pair: no type says it. (Its length is
@@ -263,6 +275,14 @@ class BootstrapReply(Tagged, tag="bootstrap_reply"):
     dst_pages: list[Int] = []
     decode_prefix_len: Int = 0
     error: Str | None = None
+    instance: Str = ""
+
+
+class LayersWritten(Tagged, tag="layers_written"):
+    room: Int
+    first_page: Int  # the k-th page the prefill sent to the room, as transfer_done counts
+    num_pages: Int
+    layers: Int  # those pages hold the KV of layers [0, layers)
     instance: Str = ""
 
 
@@ -327,6 +347,7 @@ _Typed = Union[  # noqa: UP007
     Register,
     Bootstrap,
     BootstrapReply,
+    LayersWritten,
     TransferDone,
     Ack,
     Abort,
