@@ -124,6 +124,12 @@ class ServerArgs:
     disaggregation_transfer_backend: str = option(
         "fake", "how KV reaches the decode side", choices=TRANSFER_BACKENDS
     )
+    disaggregation_layerwise_send: bool = option(
+        False,
+        "send each layer's KV pages of a batch's new tokens as soon as the forward wrote that"
+        " layer, while later layers compute, instead of after the whole forward (a KV pool"
+        " with sliding-window layers sends whole pages)",
+    )
     host: str = option(
         LOOPBACK,
         "address the HTTP front and the bootstrap endpoint bind to (the request socket:"

@@ -84,6 +84,8 @@ class Scheduler:
         )
         self.recv_requests = recv_requests or list
         self.wait_for_requests = wait_for_requests
+        # NOTE: the backend keeps its per-layer counter only where layer-wise send can work
+        self.layerwise = getattr(transfer, "layers", None) is not None
 
     # ---- bookkeeping -------------------------------------------------------------------
 
@@ -305,13 +307,29 @@ class Scheduler:
 
     def submit(self, snap: ForwardSnapshot) -> None:
         """Hand the batch to the worker; send_cached_prefixes has run first and waited for
-        the batch's host loads."""
+        the batch's host loads. With layer-wise send, the pages the forward completes go to
+        the transfer now, to be read layer by layer as it writes them."""
         if self.host_tier is not None:
             self.host_tier.note_submit(snap.input)
         t0 = clock_ns()
         self.worker.submit(snap.input)
         self.forwards_in_flight += 1
         self.metrics.add_phase("submit", t0, snap.seq)
+        if self.layerwise:
+            t0 = clock_ns()
+            self.send_by_layer(snap)
+            self.metrics.add_phase("early-send", t0, snap.seq)
+
+    def send_by_layer(self, snap: ForwardSnapshot) -> None:
+        """Layer-wise send of forward `snap.seq`: each request's pages that this forward
+        completes, the same pages its send after the forward would carry (whole pages up to
+        a middle chunk's end; to the prompt's end in its last chunk), so that send and the
+        last one carry no page. The last send still follows the forward: it carries the
+        first token."""
+        batch = snap.batch
+        for req, end in zip(batch.reqs, batch.fill_lens):
+            tail = req.is_last_chunk()
+            self.send_kv_chunk(req, last=False, end_idx=end, whole_tail=tail, layer_seq=snap.seq)
 
     def collect(self, snap: ForwardSnapshot) -> ForwardResult:
         t0 = clock_ns()
@@ -380,11 +398,20 @@ class Scheduler:
             self.host_tier.write_back(finished)
         self.metrics.add_phase("process", t0, batch.seq)
 
-    def send_kv_chunk(self, req: Req, last: bool, end_idx: int | None = None) -> None:
-        """Send KV [start_send_idx, end) of `req`; a non-final send stops on a page boundary."""
+    def send_kv_chunk(
+        self,
+        req: Req,
+        last: bool,
+        end_idx: int | None = None,
+        whole_tail: bool = False,
+        layer_seq: int = 0,
+    ) -> None:
+        """Send KV [start_send_idx, end) of `req`; a non-final send stops on a page boundary
+        unless `whole_tail` (the prompt's last page, sent layer-wise by its last chunk's
+        forward). `layer_seq`: a layer-wise send of the pages forward `layer_seq` writes."""
         start = req.start_send_idx
         end = len(req.fill_ids) if end_idx is None else end_idx
-        if not last:
+        if not last and not whole_tail:
             end -= end % self.page_size
         if end < start or (end == start and not last):
             return
@@ -399,4 +426,4 @@ class Scheduler:
             row = self.req_pool.req_to_token[req.req_pool_idx]
             window = window_swa_pages(self.allocator, row, end, self.model_config.sliding_window)
         logprob = req.first_logprob if last else None
-        req.sender.send(page_indices, last, first, window, first_logprob=logprob)
+        req.sender.send(page_indices, last, first, window, logprob, layer_seq)

@@ -339,7 +339,7 @@ class PrefillServer:
 def _make_transfer(args: ServerArgs, worker):
     """The KV pools (one per tensor-parallel rank) are opened only when pages really move
     (with pinned staging on a GPU this keeps the scheduler free of CUDA); sends wait on the
-    worker's KV write fence."""
+    worker's KV write fence, layer-wise sends on its per-layer counter."""
     from mpprefill.disagg.backends import make_transfer
 
     backend = args.disaggregation_transfer_backend
@@ -354,6 +354,7 @@ def _make_transfer(args: ServerArgs, worker):
         fence=worker.kv_fence,
         bootstrap_host=args.host,
         bootstrap_port=args.bootstrap_listen.port,
+        layers=worker.layer_progress if args.disaggregation_layerwise_send else None,
     )
 
 

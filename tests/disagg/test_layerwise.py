@@ -1,0 +1,166 @@
+"""Layer-wise KV send: the real scheduler loops with `--disaggregation-layerwise-send`.
+
+Through a verifying decode receiver (the KV that arrives is the model's, every page with
+every layer), and on the emulated device, whose clock makes each layer of a forward take
+time: no layer of a page is read before the forward's counter says it is written, layers
+go out while later ones still compute, and the decode pool ends up with the prefill pool's
+bytes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mpprefill.config import ServerArgs
+from mpprefill.decode.args import DecodeArgs
+from mpprefill.decode.receiver import DecodeReceiver
+from mpprefill.disagg.backends import make_transfer
+from mpprefill.disagg.shm_backend import ShmTransfer
+from mpprefill.memory.allocator import cdiv
+from mpprefill.modes import MODES
+from mpprefill.scheduling.loops import LOOPS
+from mpprefill.scheduling.req import Req, ReqStatus
+from mpprefill.scheduling.scheduler import Scheduler
+from mpprefill.worker.factory import make_worker
+from mpprefill.worker.layers import layer_gen
+from tests.disagg.helpers import PAGE, Router, serving
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(4096) for _ in range(40)]
+    return [system + [rng.randrange(4096) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def _run(s: Scheduler, mode: str, reqs: list[Req], router: Router) -> None:
+    for r in reqs:
+        router.register(r.rid, r.bootstrap_room, r.origin_input_ids)
+        s.add_request(r)
+    LOOPS[mode](s, lambda: not s.reqs.live and s.forwards_in_flight == 0)
+
+
+@pytest.mark.usefixtures("no_prefill_segments")
+@pytest.mark.parametrize("mode", ["normal", "proc-ahead"])
+def test_layerwise_send_passes_verify(mode, decode, router):
+    """Chunked prompts with shared prefixes: cached prefixes go early and whole, middle and
+    last chunks layer by layer; the decode verifies the KV against its own model."""
+    args = ServerArgs(
+        forward_mode=mode,
+        page_size=PAGE,
+        chunked_prefill_size=32,
+        max_total_tokens=2048,
+        disaggregation_transfer_backend="shm",
+        decode_address=decode.address,
+        disaggregation_layerwise_send=True,
+        worker_threads=1,
+    )
+    worker, config = make_worker(args, MODES[mode])
+    progress = worker.layer_progress
+    transfer = make_transfer(
+        "shm", worker.kv_cache, PAGE, decode.address, fence=worker.kv_fence, layers=progress
+    )
+    index = ["normal", "proc-ahead"].index(mode)
+    base = 20_000 + 100 * index
+    prompts = _prompts(seed=10 + index, n=6, lo=1, hi=60)
+    reqs = [Req(f"lw-{mode}-{i}", p, bootstrap_room=base + i) for i, p in enumerate(prompts)]
+    try:
+        s = Scheduler(args, config, worker, transfer)
+        assert s.layerwise
+        _run(s, mode, reqs, router)
+        replies = router.recv_many(len(reqs))
+        forwards = s.batch_seq
+    finally:
+        transfer.close()
+        worker.close()
+    assert all(r.status == ReqStatus.DONE for r in reqs), [(r.rid, r.error) for r in reqs]
+    assert sum(r.cached_tokens for r in reqs) > 0  # some pages went early, whole
+    # every forward published each of its layers
+    assert progress.layers_done(forwards) == config.num_hidden_layers
+    for r in reqs:
+        reply = replies[r.rid]
+        assert reply["status"] == "done" and reply["first_token"] == r.first_token, reply
+        assert reply["verified"] is True and reply["max_abs_err"] < 1e-4, reply
+        assert r.sender.layerwise and r.sender.pages_sent == cdiv(r.prompt_len, PAGE)
+
+
+class WatchedShm(ShmTransfer):
+    """The shm backend, noting for every layer it writes the forward's counter as it stood
+    right before the write, and every (source, destination) pages it wrote."""
+
+    def __init__(self, *a, **kw):
+        self.seen: list[tuple[int, int, int]] = []  # (forward, layer, counter)
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        super().__init__(*a, **kw)
+
+    def _write_layer(self, x, layer: int) -> None:
+        counter = min(c.value() for c in self.layers.counters)
+        self.seen.append((x.seq, layer, counter))
+        super()._write_layer(x, layer)
+
+    def _write(self, remote, src, dst, planes) -> None:
+        self.pairs.append((src.clone(), dst.clone()))
+        super()._write(remote, src, dst, planes)
+
+
+def _slots(pages: torch.Tensor) -> torch.Tensor:
+    return (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
+
+
+def test_no_layer_is_read_before_the_forward_wrote_it():
+    """A 70B model's 80 layers on the emulated H100: each layer takes the clock's time, so
+    the transfer reads layer i while later layers run, and never before the counter says
+    layer i is written. Every slot starts random (the stand-in writes few of them), and no
+    page is reused on either side, so the decode pool must equal the prefill pool on every
+    page sent."""
+    mode = "thread"
+    args = ServerArgs(
+        forward_mode=mode,
+        device="emulated",
+        emulate_model="Llama-3.1-70B",
+        emulate_gpu="h100",
+        page_size=PAGE,
+        chunked_prefill_size=256,
+        max_total_tokens=4096,
+        disaggregation_transfer_backend="shm",
+        disaggregation_layerwise_send=True,
+        worker_threads=1,
+    )
+    worker, config = make_worker(args, MODES[mode])
+    kv = worker.kv_cache
+    gen = torch.Generator().manual_seed(3)
+    kv.buffer.copy_(torch.randn(kv.buffer.shape, generator=gen).to(kv.buffer.dtype))
+    decode_args = DecodeArgs(
+        receiver_port=0, page_size=PAGE, max_total_tokens=4096, emulate_model="Llama-3.1-70B"
+    )
+    rx = DecodeReceiver(decode_args)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4096) for _ in range(rng.randrange(300, 440))] for _ in range(4)]
+    reqs = [Req(f"lw-emu-{i}", p, bootstrap_room=30_000 + i) for i, p in enumerate(prompts)]
+    with serving(rx), Router(rx.address) as router:
+        layers = worker.layer_progress
+        transfer = WatchedShm(kv, PAGE, rx.address, fence=worker.kv_fence, layers=layers)
+        try:
+            _run(Scheduler(args, config, worker, transfer), mode, reqs, router)
+            replies = router.recv_many(len(reqs))
+            decode_kv = rx.pool.kv.buffer.clone()
+        finally:
+            transfer.close()
+            worker.close()
+    assert all(r.status == ReqStatus.DONE for r in reqs), [(r.rid, r.error) for r in reqs]
+    assert all(replies[r.rid]["status"] == "done" for r in reqs), replies
+    num_layers = config.num_hidden_layers
+    seen = transfer.seen
+    assert {layer for _, layer, _ in seen} == set(range(num_layers))
+    for seq, layer, counter in seen:  # the counter said layer `layer` of `seq` was written
+        assert counter >= layer_gen(seq, layer + 1, num_layers), (seq, layer, counter)
+    # layers went out while the same forward still computed later ones
+    assert any(counter < layer_gen(seq, num_layers, num_layers) for seq, _, counter in seen)
+    sent = sum(len(src) for src, _ in transfer.pairs) // num_layers
+    assert sent == sum(cdiv(r.prompt_len, PAGE) for r in reqs)
+    for src, dst in transfer.pairs:
+        assert torch.equal(kv.buffer[:, :, _slots(src)], decode_kv[:, :, _slots(dst)])
