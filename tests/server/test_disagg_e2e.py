@@ -97,12 +97,16 @@ def offline_first_tokens(ps: list[list[int]]) -> list[int]:
         return [o.first_token for o in e.prefill(ps)]
 
 
-@pytest.mark.parametrize("backend", ["shm", "mooncake"])
-def test_kv_arrives_verified_and_tokens_match_offline(cluster, backend):
+@pytest.mark.parametrize("backend, layerwise", [("shm", True), ("mooncake", False)])
+def test_kv_arrives_verified_and_tokens_match_offline(cluster, backend, layerwise):
+    """Layer by layer (`--disaggregation-layerwise-send`) over shm, whole pages over
+    Mooncake: the model's KV arrives either way (whole pages over shm: the scheduler's own
+    tests, tests/disagg/test_scheduler_transfer.py, and the other runs here)."""
     if backend == "mooncake":
         skip_without_mooncake()
     ps = prompts(14)
-    server, decode = cluster(backend)
+    flags = ["--disaggregation-layerwise-send"] if layerwise else []
+    server, decode = cluster(backend, serve_flags=flags)
     router = Router(server.port, decode.port)
     results = router.run(specs(ps), room_base=100, timeout=240)
     router.close()
@@ -131,7 +135,9 @@ def test_decode_killed_mid_run_fails_only_the_affected(cluster):
 
 
 def test_abort_mid_chunk_and_unregistered_room(cluster):
-    server, decode = cluster("shm", serve_flags=["--bootstrap-timeout", "2"])
+    """Layer-wise send on: aborts land while a chunk's layers are on their way."""
+    flags = ["--bootstrap-timeout", "2", "--disaggregation-layerwise-send"]
+    server, decode = cluster("shm", serve_flags=flags)
     client = Client(f"127.0.0.1:{server.port}")
     client.generate("ghost", [5] * 40, bootstrap_room=9999)  # decode never hears of it
     reply = client.recv(30)
