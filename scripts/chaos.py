@@ -13,9 +13,9 @@ importable.
 Faults, all seeded: aborts aimed at each stage (waiting, bootstrapping, mid-chunk,
 transfer), malformed and hostile frames, the decode receiver SIGKILLed and restarted,
 slow transfers (the decode's test delay, injected by tests/slow_decode.py: run this from
-the repository root), a burst that overfills
-the small KV pool and the request queue, and near the end a SIGKILL of the forward process
-(of one rank, chosen by the seed, with --tp-size N).
+the repository root), a burst that overfills the small KV pool and the request queue, and
+near the end a SIGKILL of the forward process (of one rank, chosen by the seed, with
+--tp-size N); with --disaggregation-layerwise-send all of it while KV leaves layer by layer.
 
 It then checks: every request got exactly one reply; every done reply's first token is the
 offline normal-mode engine's, and each token of a router reply the engine's greedy token
@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--host-store-size", type=int, default=0, help="serve's host KV tier in tokens (0: off)"
     )
+    ap.add_argument(
+        "--disaggregation-layerwise-send",
+        action="store_true",
+        help="serve sends each layer's KV as its forward writes it (the decode kill, slow"
+        " transfers and aborts then land while layers are on their way)",
+    )
     ap.add_argument("--sliding-window", type=int, help="make the model's layers slide")
     ap.add_argument("--swa-layers", help="which layers slide (as `mpprefill serve`)")
     ap.add_argument(
@@ -109,6 +115,7 @@ def report_run(s: dict) -> None:
     print(
         f"chaos: mode={s['mode']} seed={s['seed']} total={s['wall_s']:.1f}s "
         f"requests={s['requests']} hostile={s['hostile']['sent']}"
+        f" layerwise_send={s['layerwise_send']}"
     )
     print("phases (s): " + _fmt(s["phases_s"]))
     print("faults injected: " + _fmt(s["faults"]))

@@ -278,6 +278,7 @@ def summarize(run, invariants: dict, exits: dict, leaks: dict) -> dict:
         "mode": a.forward_mode,
         "tp_size": a.tp_size,
         "host_store_size": a.host_store_size,
+        "layerwise_send": a.disaggregation_layerwise_send,
         "seed": a.seed,
         "phases_s": run.phases,
         "wall_s": time.monotonic() - run.t0,

@@ -98,6 +98,7 @@ class ChaosRun:
             *("--host-store-size", str(a.host_store_size)),
             *("--check-invariants", "--log-level", "warning"),
             *swa_flags(a),
+            *(["--disaggregation-layerwise-send"] if a.disaggregation_layerwise_send else []),
         ]
 
     def decode_flags(self) -> list[str]:
