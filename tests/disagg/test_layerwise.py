@@ -164,3 +164,43 @@ def test_no_layer_is_read_before_the_forward_wrote_it():
     assert sent == sum(cdiv(r.prompt_len, PAGE) for r in reqs)
     for src, dst in transfer.pairs:
         assert torch.equal(kv.buffer[:, :, _slots(src)], decode_kv[:, :, _slots(dst)])
+
+
+def test_the_decode_takes_a_layerwise_room_only_with_every_layer_of_every_page():
+    """A layer-wise bootstrap makes the room count each page's layers: transfer_done before
+    the last page's layers were announced is refused; with them, the room is done."""
+    rx = DecodeReceiver(DecodeArgs(receiver_port=0, max_total_tokens=4 * PAGE))
+    layers = rx.layout.num_layers
+    with serving(rx), Router(rx.address) as router, Router(rx.address) as prefill:
+        for room in (1, 2):
+            router.register(f"r{room}", room, [1] * (PAGE + 3))  # 2 pages
+        router.sync()
+        for room in (1, 2):
+            prefill.send({"type": "bootstrap", "room": room, "layerwise": True})
+            assert prefill.recv()["status"] == "ready"
+        written = {"type": "layers_written", "instance": rx.instance, "layers": layers}
+        done = {"type": "transfer_done", "first_token": 9, "num_pages": 2, "instance": rx.instance}
+        # room 1: page 0 whole, page 1 only up to its last layer but one
+        prefill.send({**written, "room": 1, "first_page": 0, "num_pages": 1})
+        prefill.send({**written, "room": 1, "first_page": 1, "num_pages": 1, "layers": layers - 1})
+        prefill.send({**done, "room": 1})
+        ack = prefill.recv()
+        assert ack["ok"] is False and f"page 1 has {layers - 1} of {layers} layers" in ack["error"]
+        assert router.recv()["status"] == "error"
+        # room 2: pages past the room are refused; then both pages with every layer
+        prefill.send({**written, "room": 2, "first_page": 1, "num_pages": 2})
+        assert prefill.recv()["ok"] is False and router.recv()["status"] == "error"
+        router.register("r3", 3, [1] * (PAGE + 3))
+        router.sync()
+        prefill.send({"type": "bootstrap", "room": 3, "layerwise": True})
+        assert prefill.recv()["status"] == "ready"
+        prefill.send({**written, "room": 3, "first_page": 0, "num_pages": 2})
+        prefill.send({**done, "room": 3})
+        assert prefill.recv() == {
+            "type": "ack",
+            "room": 3,
+            "ok": True,
+            "error": None,
+            "instance": rx.instance,
+        }
+        assert router.recv() == {"rid": "r3", "status": "done", "first_token": 9}
