@@ -247,13 +247,10 @@ class PolledEvent:
             self.counter.record(gen)
             with self._cv:
                 self._pending.pop(0)
-                self._cv.notify_all()
 
     def flush(self) -> None:
-        """Return once every record so far is published."""
-        with self._cv:
-            while self._pending:
-                self._cv.wait(0.01)
+        """Nothing to do: the thread publishes each record as soon as it completes (a
+        reply must not wait for the device here)."""
 
     def wait(
         self, gen: int, timeout: float | None = None, alive: Callable[[], bool] | None = None

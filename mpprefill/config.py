@@ -471,6 +471,7 @@ class ServerArgs:
             trace_dir=self.trace_dir,
             disable_gc_freeze=self.disable_gc_freeze,
             log_level=self.log_level,
+            publish_layers=self.disaggregation_layerwise_send,
         )
 
     @property

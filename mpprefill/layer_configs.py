@@ -93,6 +93,7 @@ class WorkerConfig:
     trace_dir: str | None = None
     disable_gc_freeze: bool = False
     log_level: str = "info"
+    publish_layers: bool = False  # each forward publishes its per-layer KV completion
 
     @property
     def group_size(self) -> int:

@@ -23,5 +23,5 @@ def make_worker(args: ServerArgs, mode: ForwardMode) -> tuple[Worker, ModelConfi
     runner = build_runner(cfg, cfg.device.torch_device)
     DeviceHooks.from_env().guard(runner)
     if mode.inline:
-        return InlineWorker(runner), runner.model.config
-    return ThreadWorker(runner, args.page_size), runner.model.config
+        return InlineWorker(runner, cfg.publish_layers), runner.model.config
+    return ThreadWorker(runner, args.page_size, cfg.publish_layers), runner.model.config

@@ -113,7 +113,7 @@ class WorkerLoop:
     # on tensor-parallel ranks other than 0, whose results nobody reads
     order: WorkerOrder
     stream: HostStream
-    layers: LayerPublisher  # each layer's completion, for the transfer thread
+    layers: LayerPublisher | None  # each layer's completion (layer-wise send), or None
     late_reads: LateReads | None = None
     read_ahead: bool = False  # the receiving thread reads host slots (see the module doc)
     last: tuple | None = None  # (seq, logits, sampling) of a deferred forward, for its Sample
@@ -178,7 +178,7 @@ class WorkerLoop:
         if copied:
             o.reads_done(slot, seq)
         inp = ForwardInput(seq, fb, sampling, msg.delay_sample, msg.want_logits)
-        out = self.runner.forward(inp, self.layers.hook(seq))
+        out = self.runner.forward(inp, None if self.layers is None else self.layers.hook(seq))
         self.last = (seq, out.logits.clone(), _own_copy(sampling)) if msg.delay_sample else None
         if not copied:
             self._release(slot, seq, fb)
@@ -324,7 +324,7 @@ def _setup(settings: WorkerConfig, setup: WorkerSetup, parent: int):
     order = WorkerOrder(events, alive=lambda: ipc.parent_alive(parent), record=stream.record)
     late = setup.hooks.late_reads(plan)
     read_ahead = plan.device == "cpu"  # host slots, read in place
-    layers = order.layers(stream, len(runner.model.layers))
+    layers = order.layers(stream, len(runner.model.layers)) if settings.publish_layers else None
     loop = WorkerLoop(runner, slots, views, order, stream, layers, late, read_ahead)
     handles = {} if result is None else result.handles
     ready = Ready(os.getpid(), kv_shared.handle, handles, dataclasses.asdict(cfg))

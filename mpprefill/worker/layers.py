@@ -14,7 +14,8 @@ issued it records gen(seq, i + 1) on the worker's stream, so the count is publis
 that work is complete: at once on the CPU, when the clock passes the layer's end on the
 emulated device, when a CUDA event recorded after the layer completes on a GPU
 (`ipc.cuda.PolledEvent`'s thread). The reader is the transfer thread (`LayerProgress`),
-which asks without blocking and never goes through the scheduler.
+which asks without blocking and never goes through the scheduler. Only a worker built with
+`WorkerConfig.publish_layers` (layer-wise send on) publishes.
 """
 
 from __future__ import annotations

@@ -22,18 +22,23 @@ from mpprefill.worker.runner import ForwardRunner
 
 
 class _LocalWorker(Worker):
-    def __init__(self, runner: ForwardRunner):
+    def __init__(self, runner: ForwardRunner, publish_layers: bool = False):
+        """`publish_layers`: each forward publishes its per-layer KV completion (on the
+        device's time: the emulated clock's, or at once on the CPU)."""
         self.runner = runner
-        # each layer's completion, on the device's time (the emulated clock's, or at once)
-        stream = HostStream() if runner.device is None else EmulatedStream(runner.device.clock)
-        self.layers, self.layer_progress = local_layers(stream, len(runner.model.layers))
+        self.layers = None
+        if publish_layers:
+            device = runner.device
+            stream = HostStream() if device is None else EmulatedStream(device.clock)
+            self.layers, self.layer_progress = local_layers(stream, len(runner.model.layers))
 
     @property
     def kv_cache(self):
         return self.runner.kv
 
     def _run(self, inp: ForwardInput) -> ForwardResult:
-        return ForwardResult(inp.seq, *self.runner.forward(inp, self.layers.hook(inp.seq)))
+        on_layer = None if self.layers is None else self.layers.hook(inp.seq)
+        return ForwardResult(inp.seq, *self.runner.forward(inp, on_layer))
 
     def sample(self, inp: ForwardInput, timeout: float | None = None) -> Sampled:
         self._check_sample(inp, self._in_flight())
@@ -51,8 +56,8 @@ class _LocalWorker(Worker):
 class InlineWorker(_LocalWorker):
     """run_batch on the scheduler thread: the forward runs inside collect()."""
 
-    def __init__(self, runner: ForwardRunner):
-        super().__init__(runner)
+    def __init__(self, runner: ForwardRunner, publish_layers: bool = False):
+        super().__init__(runner, publish_layers)
         self._pending: ForwardInput | None = None
 
     def submit(self, inp: ForwardInput) -> None:
@@ -82,8 +87,10 @@ class ThreadWorker(_LocalWorker):
 
     max_in_flight = 2
 
-    def __init__(self, runner: ForwardRunner, page_size: int | None = None):
-        super().__init__(runner)
+    def __init__(
+        self, runner: ForwardRunner, page_size: int | None = None, publish_layers: bool = False
+    ):
+        super().__init__(runner, publish_layers)
         self._in: queue.Queue = queue.Queue(maxsize=self.max_in_flight)
         self._out: queue.Queue = queue.Queue(maxsize=1)
         self._pending: deque[ForwardInput] = deque()

@@ -119,8 +119,9 @@ class ProcessWorker(Worker):
         self._readies = readies
         self._ready = readies[0]
         self.model_config = ModelConfig(**self._ready.model_config)
-        counters = [rank.order.events.layers_done for rank in self.ranks]
-        self.layer_progress = LayerProgress(counters, self.model_config.num_hidden_layers)
+        if self.cfg.publish_layers:
+            counters = [rank.order.events.layers_done for rank in self.ranks]
+            self.layer_progress = LayerProgress(counters, self.model_config.num_hidden_layers)
         self.result = ipc.open_bundle(self._ready.result)  # rank 0 writes the results
 
     @property
