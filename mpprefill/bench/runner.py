@@ -47,6 +47,7 @@ _SERVE_VALUES = (
 )
 _EMULATED_VALUES = ("emulate_model", "emulate_gpu", "emulate_launch_us", "emulate_issue")
 _SERVE_SWITCHES = (
+    "disaggregation_layerwise_send",
     "delay_sampling",
     "disable_batched_writeback",
     "swa_free_out_of_window",

@@ -111,7 +111,7 @@ class TransferBackend:
         self.shipped = ShippedKV.of(kv)
         self.pages = PageWrites(self.shipped, page_size)
         if layers is not None and not self.pages.can_go_by_layer:
-            logger.info("layer-wise send off: the KV pool has sliding-window layers")
+            logger.warning("layer-wise send off: the KV pool has sliding-window layers")
             layers = None
         self.layers = layers
         self.pages.layerwise = layers is not None

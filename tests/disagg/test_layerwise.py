@@ -20,12 +20,14 @@ from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.disagg.shm_backend import ShmTransfer
 from mpprefill.memory.allocator import cdiv
+from mpprefill.memory.kv_cache import KVCache
 from mpprefill.modes import MODES
 from mpprefill.scheduling.loops import LOOPS
 from mpprefill.scheduling.req import Req, ReqStatus
 from mpprefill.scheduling.scheduler import Scheduler
+from mpprefill.streams import HostStream
 from mpprefill.worker.factory import make_worker
-from mpprefill.worker.layers import layer_gen
+from mpprefill.worker.layers import layer_gen, local_layers
 from tests.disagg.helpers import PAGE, Router, serving
 
 pytestmark = pytest.mark.timeout(120)
@@ -204,3 +206,19 @@ def test_the_decode_takes_a_layerwise_room_only_with_every_layer_of_every_page()
             "instance": rx.instance,
         }
         assert router.recv() == {"rid": "r3", "status": "done", "first_token": 9}
+
+
+def test_a_pool_with_sliding_window_layers_sends_whole_pages(caplog):
+    """Its last window goes with the last send, known only then: the backend keeps no
+    per-layer counter, bootstraps do not say layerwise, and the scheduler sends whole."""
+    swa = KVCache(4, 8 * PAGE, 2, 8, swa_layers=(0, 2), num_swa_slots=4 * PAGE)
+    full = KVCache(4, 8 * PAGE, 2, 8)
+    progress = local_layers(HostStream(), 4)[1]
+    for kv, layerwise in ((swa, False), (full, True)):
+        transfer = ShmTransfer(kv, PAGE, "127.0.0.1:9", layers=progress)
+        try:
+            assert (transfer.layers is not None) is layerwise
+            assert transfer.pages.bootstrap(1).layerwise is layerwise
+        finally:
+            transfer.close()
+    assert "layer-wise send off: the KV pool has sliding-window layers" in caplog.text
