@@ -96,7 +96,12 @@ def run_prefill(
     worker, config = make_worker(args, MODES["proc-ahead"])
     try:
         transfer = make_transfer(
-            backend, worker.kv_shards(), PAGE, decode_address, fence=worker.kv_fence
+            backend,
+            worker.kv_shards(),
+            PAGE,
+            decode_address,
+            fence=worker.kv_fence,
+            layers=worker.layer_progress,  # None unless layer-wise send is on
         )
         try:
             s = Scheduler(args, config, worker, transfer)
@@ -165,13 +170,17 @@ def test_tp2_prefill_into_tp1_decode(model_dir, model, decode):
 
 
 def test_replicated_kv_heads_ship_once(model_dir, decode):
-    """TP 4 over 2 KV heads: ranks 0-1 hold head 0, ranks 2-3 head 1; ranks 0 and 2 ship."""
+    """TP 4 over 2 KV heads: ranks 0-1 hold head 0, ranks 2-3 head 1; ranks 0 and 2 ship.
+    Layer by layer: a layer goes once every rank's counter says it is written."""
     with Router(decode.address) as router:
         reqs = registered(router, "rep", prompts(3, 3), base=300)
-        shipped = run_prefill(model_dir, 4, "shm", decode.address, reqs)
+        shipped = run_prefill(
+            model_dir, 4, "shm", decode.address, reqs, disaggregation_layerwise_send=True
+        )
         replies = router.recv_many(len(reqs))
     assert (shipped.tp_size, shipped.kv_heads) == (4, [[0, 1], [1, 2]])
     assert_verified(replies, reqs)
+    assert all(r.sender.layerwise for r in reqs)
 
 
 def test_serve_tp2_ships_over_shm(model_dir, decode):
