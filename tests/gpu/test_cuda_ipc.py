@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ipc
-from ipc.cuda import CudaGenEvent, CudaIpcEvent, HostFencedEvent
+from ipc.cuda import CudaGenEvent, CudaIpcEvent, HostFencedEvent, PolledEvent
 from ipc.events import ShmEvent
 from mpprefill.worker.staging import pin_segments
 from tests.gpu import children
@@ -95,6 +95,19 @@ def test_host_fenced_event_publishes_only_once_complete():
     event.flush()
     assert counter.value() == 4 and event.query(4)
     assert bool((out == 3.0).all())
+
+
+def test_polled_event_publishes_each_record_once_complete_without_flush():
+    counter = ShmEvent(torch.zeros(1, dtype=torch.int64), "layers")
+    event = PolledEvent(counter)
+    out = torch.zeros(1 << 20, device="cuda")
+    for gen in (1, 2, 3):  # three "layers", each behind a device-side sleep
+        torch.cuda._sleep(children.SLEEP_CYCLES)
+        out.fill_(float(gen))
+        event.record(gen)
+    assert counter.value() < 3  # recorded on the stream, not all complete yet
+    event.wait(3, timeout=30)  # published by its thread, no flush asked
+    assert counter.value() == 3 and bool((out == 3.0).all())
 
 
 def test_pinned_segments_copy_asynchronously():

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from ipc.cuda import HostFencedEvent
+from ipc.cuda import HostFencedEvent, PolledEvent
 from ipc.events import EventAbandoned, EventTimeout, ShmEvent
 from mpprefill.config import ServerArgs
 from mpprefill.engine import PrefillEngine
@@ -80,6 +80,8 @@ def test_events_built_without_cuda(plan):
     kind = HostFencedEvent if plan == "pinned" else ShmEvent
     assert all(type(e) is kind for e in [*worker.reads_done, worker.forward_done])
     assert type(worker.result_ready) is kind
+    # each layer's completion: published by the worker's own thread on a GPU, read bare
+    assert type(worker.layers_done) is (PolledEvent if plan == "pinned" else ShmEvent)
 
 
 def test_staging_and_stream_selection():
