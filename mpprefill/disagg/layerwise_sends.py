@@ -69,6 +69,12 @@ class LayerwiseSends:
                 out.extend((x, layer) for x in sends if x.layers <= layer)
         return out
 
+    def prune(self, live) -> None:
+        """Drop the sends whose sender `live(sender)` says is gone: a forward that never
+        finishes its layers (its worker died) must not hold the commands behind them."""
+        for x in [x for x in self._sends if not live(x.cmd.sender)]:
+            self.drop(x)
+
     def wrote(self, x: LayerSend, layer: int) -> bool:
         """Layer `layer` of `x` is written; True when that was its last (it leaves)."""
         x.layers = layer + 1

@@ -300,6 +300,7 @@ class TransferBackend:
         the commands that waited for them."""
         if self.layerwise is None:
             return
+        self.layerwise.prune(lambda s: self.rooms.holds(s) and s.is_live)
         for x, layer in self.layerwise.due():
             if not x.dropped:
                 self._send_layer(x, layer)

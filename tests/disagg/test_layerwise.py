@@ -10,6 +10,7 @@ bytes.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from mpprefill.config import ServerArgs
 from mpprefill.decode.args import DecodeArgs
 from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg.backends import make_transfer
+from mpprefill.disagg.sender import KVPoll
 from mpprefill.disagg.shm_backend import ShmTransfer
 from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.kv_cache import KVCache
@@ -28,7 +30,7 @@ from mpprefill.scheduling.scheduler import Scheduler
 from mpprefill.streams import HostStream
 from mpprefill.worker.factory import make_worker
 from mpprefill.worker.layers import layer_gen, local_layers
-from tests.disagg.helpers import PAGE, Router, serving
+from tests.disagg.helpers import PAGE, FakeReq, Router, bootstrap, send_chunks, serving, wait_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -223,3 +225,38 @@ def test_a_pool_with_sliding_window_layers_sends_whole_pages(caplog):
         finally:
             transfer.close()
     assert "layer-wise send off: the KV pool has sliding-window layers" in caplog.text
+
+
+def test_a_send_whose_forward_never_ends_lets_its_sender_go(pool, decode, router, room):
+    """The worker died mid-forward: the counter never reaches the send's layers. Once the
+    request fails, the sender is let go (its pages may then be freed) and the decode hears
+    of it; the commands queued behind the send do not stay stuck."""
+    kv, prompts = pool
+    progress = local_layers(HostStream(), kv.num_layers)[1]  # no forward ever publishes
+    backend = make_transfer("shm", kv, PAGE, decode.address, layers=progress)
+    try:
+        p = prompts[0]
+        r = room()
+        router.register("stuck", r, p.ids)
+        s = backend.create_sender(FakeReq("stuck", r, len(p.ids)))
+        bootstrap(s, p)
+        s.send(p.pages, layer_seq=1)  # every page, layer by layer, of forward 1
+        s.send(p.pages[:0], last=True, first_token=p.first_token)  # waits behind them
+        time.sleep(0.3)
+        assert s.poll() == KVPoll.Transferring and not s.settled() and s.pages_sent == 0
+        s.abort("the forward process died")
+        deadline = time.monotonic() + 10
+        while not s.settled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.settled() and s.poll() == KVPoll.Failed
+        assert router.recv()["status"] == "error"
+        q = prompts[1]
+        r = room()
+        router.register("after", r, q.ids)
+        s2 = backend.create_sender(FakeReq("after", r, len(q.ids)))
+        bootstrap(s2, q)
+        send_chunks(s2, q)
+        assert wait_state(s2, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+        assert router.recv()["status"] == "done"
+    finally:
+        backend.close()
