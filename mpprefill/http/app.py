@@ -377,11 +377,13 @@ def _add_routes(app: FastAPI, front: HttpFront) -> None:
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, front.server_info, methods=["GET"])
     app.add_api_route("/get_load", front.get_load, methods=["GET"])
-    app.add_api_route("/flush_cache", front.flush_cache, methods=["GET", "POST"])
     app.add_api_route("/abort_request", front.abort_request, methods=["POST"])
     app.add_api_route("/metrics", front.metrics_text, methods=["GET"])
-    app.add_api_route("/start_profile", front.start_profile, methods=["GET", "POST"])
-    app.add_api_route("/stop_profile", front.stop_profile, methods=["GET", "POST"])
+    # NOTE: a route per method, so that each has an OpenAPI operation id of its own
+    for method in ("GET", "POST"):
+        app.add_api_route("/flush_cache", front.flush_cache, methods=[method])
+        app.add_api_route("/start_profile", front.start_profile, methods=[method])
+        app.add_api_route("/stop_profile", front.stop_profile, methods=[method])
 
 
 def _add_error_handlers(app: FastAPI) -> None:

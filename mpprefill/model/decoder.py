@@ -59,7 +59,7 @@ class DecoderLayer(nn.Module):
     ) -> dict[str, ShardEntry]:
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         if config.is_latent:
-            table = LatentAttention.shard_table(config, f"{hf}self_attn.", f"{ours}attention.")
+            table = LatentAttention.shard_table(config, tp, f"{hf}self_attn.", f"{ours}attention.")
         else:
             table = Attention.shard_table(
                 config, tp, f"{hf}self_attn.", f"{ours}attention.", qk_norm

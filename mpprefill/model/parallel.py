@@ -1,30 +1,37 @@
 """Tensor parallelism, Megatron-style, over torch.distributed: which shard of the decoder
 a rank holds, and the layers whose outputs need a collective.
 
-| weight             | split      | rank r of N holds                          | then       |
-|--------------------|------------|--------------------------------------------|------------|
+| weight             | split      | rank r of N holds                           | then       |
+|--------------------|------------|---------------------------------------------|------------|
 | embed_tokens       | vocab rows | rows [r * V', (r + 1) * V'), V' = ceil(V/N) | all-reduce |
-| q_proj             | heads      | query heads [r * H / N, (r + 1) * H / N)   |            |
-| k_proj, v_proj     | KV heads   | KV / N heads; when KV < N, the one its     |            |
-|                    |            | query heads read (held by N / KV ranks)    |            |
-| o_proj             | columns    | the columns of its query heads             | all-reduce |
-| gate_proj, up_proj | rows       | rows [r * I / N, (r + 1) * I / N)          |            |
-| down_proj          | columns    | the columns of its gate/up rows            | all-reduce |
-| experts' gate/up   | rows       | every expert's rows [r * I_e / N, ...)     |            |
-| experts' down      | columns    | every expert's columns of its gate/up rows | all-reduce |
-| gpt-oss gate_up,   | columns,   | every expert's columns [2 r I_e / N, ...)  |            |
-| down_proj          | rows       | (gate and up interleaved); its down rows   | all-reduce |
-| experts' biases    | as above   | gate/up: its columns; down: whole, added   |            |
-|                    |            | by rank 0 only                             |            |
-| sinks              | heads      | those of its query heads                   |            |
-| router (gate)      | none       | all of it                                  |            |
-| lm_head            | vocab rows | as embed_tokens (tied: the same tensor)    | all-gather |
-| norms, o_proj bias | none       | all of it                                  |            |
+| q_proj             | heads      | query heads [r * H / N, (r + 1) * H / N)    |            |
+| k_proj, v_proj     | KV heads   | KV / N heads; when KV < N, the one its      |            |
+|                    |            | query heads read (held by N / KV ranks)     |            |
+| o_proj             | columns    | the columns of its query heads              | all-reduce |
+| gate_proj, up_proj | rows       | rows [r * I / N, (r + 1) * I / N)           |            |
+| down_proj          | columns    | the columns of its gate/up rows             | all-reduce |
+| experts' gate/up   | rows       | every expert's rows [r * I_e / N, ...)      |            |
+| experts' down      | columns    | every expert's columns of its gate/up rows  | all-reduce |
+| shared experts     | as an MLP  | as gate/up/down_proj, of their I_s rows     | all-reduce |
+| gpt-oss gate_up,   | columns,   | every expert's columns [2 r I_e / N, ...)   |            |
+| down_proj          | rows       | (gate and up interleaved); its down rows    | all-reduce |
+| experts' biases    | as above   | gate/up: its columns; down: whole, added    |            |
+|                    |            | by rank 0 only                              |            |
+| sinks              | heads      | those of its query heads                    |            |
+| router (gate)      | none       | all of it                                   |            |
+| MLA q_proj,        | heads      | its heads' rows (q_a_proj and q_a_layernorm |            |
+| q_b_proj           |            | before q_b_proj: whole)                     |            |
+| MLA kv_b_proj      | heads      | its heads' K (nope part) and V rows         |            |
+| MLA o_proj         | columns    | the columns of its heads                    | all-reduce |
+| MLA kv_a_proj,     | none       | all of it: every rank computes the same     |            |
+| kv_a_layernorm     |            | latent rows into its own pool (replicated)  |            |
+| lm_head            | vocab rows | as embed_tokens (tied: the same tensor)     | all-gather |
+| norms, o_proj bias | none       | all of it                                   |            |
 
 Every rank sees the whole hidden state between layers and the whole logits at the end;
-its KV pool holds only its KV heads. At one rank the model has none of the parallel layers
-(`layers/linear.py`) and calls no collective. Per-head weights (Qwen3's q/k norms) are
-whole on every rank.
+its KV pool holds only its KV heads, or with latent attention every token's latent row. At
+one rank the model has none of the parallel layers (`layers/linear.py`) and calls no
+collective. Per-head weights (Qwen3's q/k norms) are whole on every rank.
 """
 
 from __future__ import annotations
@@ -93,8 +100,6 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     """Raise unless the model splits evenly over `size` ranks."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     problems = []
-    if config.is_latent and size > 1:
-        problems.append(f"{config.architecture}'s latent attention runs at one rank only")
     if heads % size:
         problems.append(f"num_attention_heads ({heads}) is not a multiple of it")
     if kv >= size and kv % size:
@@ -106,6 +111,9 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     if config.moe_intermediate_size % size:
         moe = config.moe_intermediate_size
         problems.append(f"moe_intermediate_size ({moe}) is not a multiple of it")
+    if config.shared_expert_intermediate_size % size:
+        shared = config.shared_expert_intermediate_size
+        problems.append(f"the shared experts' {shared} rows are not a multiple of it")
     if problems:
         raise ValueError(f"--tp-size {size}: " + "; ".join(problems))
 
@@ -120,6 +128,7 @@ def shard_config(config: ModelConfig, tp: TPRank) -> ModelConfig:
         num_key_value_heads=len(tp.kv_heads(config)),
         intermediate_size=len(tp.intermediate(config)),
         moe_intermediate_size=len(tp.moe_intermediate(config)),
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // tp.size,
         head_dim=config.head_size,
     )
 

@@ -81,6 +81,20 @@ def test_a_latent_pool_ships_one_plane_per_layer():
     assert planes.view.data_ptr() == kv.buffer.data_ptr()  # a view, nothing copied
 
 
+def test_at_two_ranks_the_first_ranks_latent_pool_ships_alone():
+    """Each rank holds the whole latent row of every token: rank 0's pool is the one read,
+    and the bootstrap names the prefill's two ranks and the one "head" they fill."""
+    config = latent_config()
+    pools = [KVCache.for_model(config, 16 * PAGE) for _ in range(2)]
+    heads = [range(0, 2), range(2, 4)]  # each rank's query heads, as the worker names them
+    shipped = ShippedKV.of(list(zip(pools, heads, strict=True)))
+    assert shipped.tp_size == 2 and shipped.kv_heads == [[0, 1]]
+    assert [s.kv for s in shipped.shards] == [pools[0]]
+    pages = PageWrites(shipped, PAGE)
+    assert pages.bootstrap(4) == wire.Bootstrap(4, 2, [[0, 1]], "float32", "latent", LATENT_DIM)
+    assert wire.head_tiling_error([[0, 1]], 1, 2) is None
+
+
 def test_the_prefill_checks_the_decode_pool_layout():
     pages = PageWrites(ShippedKV.of(KVCache.for_model(latent_config(), 16 * PAGE)), PAGE)
     reply = wire.BootstrapReply(9, "ready", {}, [3], 0, instance="run-1")

@@ -22,10 +22,26 @@ DIMS = dict(
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
 )
-# A mixture of experts' own fields, by architecture: few experts, top-2.
-EXPERTS = {
+# An architecture's own fields: few experts, top-2; DeepSeek-V3's latent attention at small
+# ranks (one KV head per query head, as it requires), a dense first layer, grouped routing.
+OWN_FIELDS = {
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
     "Qwen3MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    "DeepseekV3ForCausalLM": dict(
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    ),
 }
 SPECIALS = ["<unk>", "<s>", "</s>"]
 BOS, EOS = 1, 2
@@ -49,13 +65,13 @@ CHAT_TEMPLATE = (
 def save_checkpoint(path: Path, arch: str = "Qwen2ForCausalLM", seed: int = 0) -> Path:
     """`arch` with random weights (every tensor perturbed, so no weight is trivially zero),
     `generation_config.json` naming EOS, and a byte-level BPE tokenizer trained on CORPUS
-    whose ids fit the model's vocabulary; an MoE architecture gets its EXPERTS fields. Llama
+    whose ids fit the model's vocabulary; an architecture in OWN_FIELDS gets its fields. Llama
     and Mixtral checkpoints prepend BOS (tokenizer_config's `add_bos_token`); Qwen ones do
     not, as the real ones."""
     transformers = pytest.importorskip("transformers", reason="the oracle is transformers")
     tokenizers = pytest.importorskip("tokenizers", reason="the tokenizer is trained with it")
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    fields = {**DIMS, **EXPERTS.get(arch, {})}
+    fields = {**DIMS, **OWN_FIELDS.get(arch, {})}
     config = config_cls(**fields, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval().float()

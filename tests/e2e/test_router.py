@@ -1,7 +1,9 @@
 """A PD deployment behind SGLang's own router (the `sglang-router` package): one prefill,
-two decode servers (one for the MoE checkpoint), the router in PD mode, all on loopback.
+two decode servers (one for the MoE checkpoints), the router in PD mode, all on loopback.
 Every reply equals `transformers`' greedy `generate` on the checkpoint the servers load: a
-dense Qwen2 and a Mixtral mixture of experts."""
+dense Qwen2, a Mixtral mixture of experts, and DeepSeek-V3 (latent KV, grouped routing,
+shared experts) from a prefill at two tensor-parallel ranks to a decode checking the latent
+rows it receives (`--verify`)."""
 
 from __future__ import annotations
 
@@ -79,33 +81,39 @@ class Deployment:
     """`num_decodes` decode servers and a prefill loading `checkpoint`, the router over them;
     a start that fails stops what it started."""
 
-    def __init__(self, checkpoint: Path, num_decodes: int = 2):
+    def __init__(
+        self,
+        checkpoint: Path,
+        num_decodes: int = 2,
+        serve: tuple[str, ...] = (),
+        decode: tuple[str, ...] = (),
+    ):
         self.bootstrap_port = free_port()
         self.prefill_port = free_port()
         self.decode_ports = [free_port() for _ in range(num_decodes)]
         self.router_port = free_port()
         self.procs: list[Proc] = []
         try:
-            self._start(("--model-path", str(checkpoint)))
+            self._start(("--model-path", str(checkpoint)), serve, decode)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, model: tuple[str, str]) -> None:
+    def _start(self, model: tuple[str, str], serve: tuple[str, ...], decode: tuple[str, ...]):
         py = sys.executable
         common = ("--page-size", "16", "--disaggregation-transfer-backend", "shm")
         quiet = ("--log-level", "warning")
         for port in self.decode_ports:
             self.procs.append(
                 Proc(
-                    *(py, "-m", "mpprefill", "decode", *model, *common, *quiet),
+                    *(py, "-m", "mpprefill", "decode", *model, *common, *quiet, *decode),
                     *("--port", str(port), "--zmq-port", "0"),
                     *("--receiver-port", str(free_port()), "--max-total-tokens", "8192"),
                 )
             )
         self.procs.append(
             Proc(
-                *(py, "-m", "mpprefill", "serve", *model, *common, *quiet),
+                *(py, "-m", "mpprefill", "serve", *model, *common, *quiet, *serve),
                 *("--forward-mode", "proc-ahead", "--worker-threads", "1"),
                 *("--port", str(self.prefill_port), "--zmq-port", str(free_port())),
                 *("--disaggregation-bootstrap-port", str(self.bootstrap_port)),
@@ -176,19 +184,22 @@ def sse(data: bytes) -> list[dict]:
     return events
 
 
-@pytest.fixture
-def moe_checkpoint(tmp_path):
-    return save_checkpoint(tmp_path / "mixtral", "MixtralForCausalLM")
+MOE = {
+    "MixtralForCausalLM": {},
+    "DeepseekV3ForCausalLM": dict(serve=("--tp-size", "2"), decode=("--verify",)),
+}
 
 
-def test_an_moe_family_equals_transformers(moe_checkpoint):
-    """Mixtral through the router: prompt and decode both route through the experts.
-    NOTE: first in the file, so that its deployment is gone before the module's starts."""
-    d = Deployment(moe_checkpoint, num_decodes=1)
+@pytest.mark.parametrize("arch", list(MOE))
+def test_an_moe_family_equals_transformers(tmp_path, arch):
+    """Prompt and decode both route through the experts. NOTE: first in the file, so that
+    their deployments are gone before the module's starts."""
+    checkpoint = save_checkpoint(tmp_path / arch, arch)
+    d = Deployment(checkpoint, num_decodes=1, **MOE[arch])
     try:
         for text, n in ((TEXTS[0], 1), (TEXTS[1], 12)):
-            ids = encode(moe_checkpoint, text)
-            (expected,) = greedy_reference(moe_checkpoint, [ids], n)
+            ids = encode(checkpoint, text)
+            (expected,) = greedy_reference(checkpoint, [ids], n)
             status, raw = d.generate({"text": text, "sampling_params": greedy(n)})
             assert status == 200, raw
             assert json.loads(raw)["output_ids"] == expected, text

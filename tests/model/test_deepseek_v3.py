@@ -4,7 +4,8 @@ with mscale_all_dim, a dense first layer, shared experts and grouped routing (2 
 kept, a selection bias far from zero). Last-token logits within 1e-3 relative of
 transformers' and first tokens equal for whole prompts in one batch, prefixes read back
 from the latent pool beside a fresh request, a prompt over two chunks, and through the
-offline engine in normal and proc-ahead; the latent pool's bytes per token; refusals."""
+offline engine in normal and proc-ahead; the same at two tensor-parallel ranks (heads split,
+latent pool replicated); the latent pool's bytes per token; refusals."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import torch
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, load_model
 from mpprefill.model.families import config_from_hf
-from mpprefill.model.parallel import check_shardable
+from mpprefill.model.parallel import TPRank, check_shardable, shard_config
 from tests.model.test_families import DIMS as FAMILY_DIMS
 from tests.model.test_families import rel_err, serve_and_check
-from tests.model.test_hf_oracle import hf_last_logits, save, transformers
+from tests.model.test_hf_oracle import hf_last_logits, prompts, save, transformers
+from tests.model.test_tensor_parallel import oracle
+from tests.model.tp_ranks import run_ranks
 
 REL_ERR = 1e-3
 VOCAB = FAMILY_DIMS["vocab_size"]  # serve_and_check's prompts draw from it
@@ -166,10 +169,40 @@ def test_the_pool_holds_one_latent_row_per_token_and_layer():
         kv.v(0)
 
 
-def test_more_than_one_tensor_parallel_rank_is_refused():
+@pytest.mark.timeout(300)
+def test_two_tensor_parallel_ranks_match_transformers(checkpoints, tmp_path):
+    """Both variants at TP 2 (gloo): whole prompts, a prompt over chunks and a prefix hit
+    (`tp_ranks.scenario`); each rank's logits against transformers'."""
+    ids = prompts(VOCAB)
+    paths = {name: str(path) for name, (_, path, _) in checkpoints.items()}
+    ranks = run_ranks(2, list(paths.values()), ids, str(tmp_path))
+    for name, path in paths.items():
+        reference = checkpoints[name][0]
+        for key, want in oracle(reference, ids).items():
+            for rank, results in enumerate(ranks):
+                got = results[path][key]
+                assert rel_err(got, want) < REL_ERR, (name, key, rank)
+                assert torch.equal(got.argmax(-1), want.argmax(-1)), (name, key, rank)
+
+
+@pytest.mark.timeout(180)
+def test_the_engine_at_two_ranks_matches_transformers(checkpoints):
+    """proc-ahead at TP 2, prefix hits over chunks: each rank computes half the heads and
+    holds the whole latent pool."""
+    reference, path, _ = checkpoints["plain-q-halves"]
+    serve_and_check(reference, path, "proc-ahead", tp_size=2)
+
+
+def test_a_rank_holds_its_heads_and_the_whole_latent_row():
     config = config_from_hf({**DIMS, "architectures": ["DeepseekV3ForCausalLM"]})
-    with pytest.raises(ValueError, match="one rank only"):
-        check_shardable(config, 2)
+    ranks = [shard_config(config, TPRank(r, 2)) for r in range(2)]
+    assert [c.num_attention_heads for c in ranks] == [2, 2]
+    assert {c.kv_latent_dim for c in ranks} == {LATENT_DIM}
+    assert {c.shared_expert_intermediate_size for c in ranks} == {16}
+    for c in ranks:
+        assert KVCache.model_storage_shape(c, 16) == KVCache.model_storage_shape(config, 16)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        check_shardable(config, 3)
 
 
 def test_the_config_as_transformers_reads_it(pair):

@@ -99,11 +99,13 @@ def check_against(reference, outs, prompts) -> None:
         assert out.first_token == int(want.argmax()), len(ids)
 
 
-def serve_and_check(reference, path, mode: str) -> None:
-    """Prompts, then prompts sharing their prefixes, through the engine in `mode`: each
-    last-token logits row against `reference` (a transformers model saved at `path`)."""
+def serve_and_check(reference, path, mode: str, **engine) -> None:
+    """Prompts, then prompts sharing their prefixes, through the engine in `mode` (and
+    `engine`'s other settings): each last-token logits row against `reference` (a
+    transformers model saved at `path`)."""
     first, second = prompt_sets(DIMS["vocab_size"])
     kw = dict(forward_mode=mode, page_size=4, chunked_prefill_size=CHUNK, check_invariants=True)
+    kw |= engine
     with PrefillEngine(model_path=path, **kw) as eng:
         assert eng.model_config.architecture == type(reference).__name__
         check_against(reference, eng.prefill(first, return_logits=True), first)

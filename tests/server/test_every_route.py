@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import tempfile
 import threading
+import warnings
 
 import pytest
 
@@ -70,6 +71,19 @@ def test_the_table_covers_every_route_the_app_registers():
     registered = {(m, r.path) for r in app.routes for m in getattr(r, "methods", ()) or ()}
     registered -= {("HEAD", r.path) for r in app.routes}
     assert registered == {(m, p) for m, p, _, _ in ROUTES}
+
+
+def test_every_operation_has_an_openapi_id_of_its_own():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI warns of a duplicate id
+        schema = build_app(HttpArgs(), None).openapi()
+    ops = {
+        (m.upper(), path): op for path, item in schema["paths"].items() for m, op in item.items()
+    }
+    ids = [op["operationId"] for op in ops.values()]
+    assert len(ids) == len(set(ids)) == len(ops)
+    docs = {"/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"}  # FastAPI's own pages
+    assert set(ops) == {(m, p) for m, p, _, _ in ROUTES if p not in docs}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ grouped sigmoid routing (`n_group`, `topk_group`, `norm_topk_prob`,
 `routed_scaling_factor`, the router's `e_score_correction_bias`) and `n_shared_experts`
 shared experts; the first layers keep a dense MLP of `intermediate_size` rows. As
 transformers reads it; its multi-token-prediction layers (`num_nextn_predict_layers`) are
-not part of the forward. One tensor-parallel rank only (see `parallel.check_shardable`)."""
+not part of the forward. At several tensor-parallel ranks the heads are split and the
+latent pool is replicated (see `layers/mla.py`)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,12 @@ prefill the queries outnumber the new keys, so absorbing costs a rank-sized head
 (kv_lora_rank + rope, 576 against 192) in every q.k product of every query, while
 decompressing costs one matmul per key. The softmax scale is qk_head_dim^-0.5, times
 yarn's mscale(f, mscale_all_dim)^2 where the rope names it (folded into q).
+
+At several tensor-parallel ranks each rank computes its heads, as SGLang does without
+DP attention: its rows of q's projection (`q_proj`, or `q_b_proj` after the whole low-rank
+`q_a_proj`), of `kv_b_proj` and its columns of `o_proj` (row-parallel, all-reduced). The
+latent's projection and norm are whole on every rank, so every rank writes the same rows
+to its own latent pool (replicated, not split) and one rank's pool is shipped.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ from mpprefill.model.attention import AttentionBackend
 from mpprefill.model.config import ModelConfig
 from mpprefill.model.forward_batch import ForwardBatch
 from mpprefill.model.layers.attention import LayerContext
+from mpprefill.model.layers.linear import row_linear
 from mpprefill.model.layers.norm import RMSNorm
 from mpprefill.model.layers.rotary import rotate_, rotate_interleaved_, softmax_factor
-from mpprefill.model.parallel import WHOLE, ShardEntry, TPRank
+from mpprefill.model.parallel import WHOLE, ShardEntry, TPRank, span
 
 
 class LatentPlan(NamedTuple):
@@ -53,12 +60,11 @@ class LatentPlan(NamedTuple):
 
 
 class LatentAttention(nn.Module):
-    """`config`: a latent-attention model's (`ModelConfig.kv_lora_rank`); one rank only."""
+    """`config`: a latent-attention model's (`ModelConfig.kv_lora_rank`), this rank's shard
+    (its heads)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, tp: TPRank | None = None) -> None:
         super().__init__()
-        if tp is not None and tp.size > 1:
-            raise ValueError("latent attention runs at one tensor-parallel rank only")
         self.layer_id = layer_id
         self.n_head = config.num_attention_heads
         self.kv_rank, self.rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
@@ -74,7 +80,7 @@ class LatentAttention(nn.Module):
         self.wq_b = nn.Linear(q_rank, q_size, bias=False) if q_rank else None
         self.kv_norm = RMSNorm(self.kv_rank, config.rms_norm_eps)
         self.wkv_b = nn.Linear(self.kv_rank, self.n_head * (self.nope_dim + self.v_dim), bias=False)
-        self.wo = nn.Linear(self.n_head * self.v_dim, hidden, bias=False)
+        self.wo = row_linear(self.n_head * self.v_dim, hidden, False, tp)
 
     def forward(self, x: Tensor, ctx: LayerContext, locs: Tensor, plan: LatentPlan) -> Tensor:
         n = x.shape[0]
@@ -106,20 +112,16 @@ class LatentAttention(nn.Module):
         return k, kv[..., self.nope_dim :]
 
     @staticmethod
-    def shard_table(config: ModelConfig, hf: str, ours: str) -> dict[str, ShardEntry]:
+    def shard_table(config: ModelConfig, tp: TPRank, hf: str, ours: str) -> dict[str, ShardEntry]:
         """q_proj (or q_a_proj, q_a_layernorm, q_b_proj), kv_a_proj_with_mqa, kv_a_layernorm,
         kv_b_proj and o_proj under `hf` into w_a (q rows, then the latent's), q_norm, wq_b,
-        kv_norm, wkv_b and wo under `ours`."""
+        kv_norm, wkv_b and wo under `ours`: rank `tp.rank`'s heads of the per-head ones."""
         q_rank = config.q_lora_rank
-        q_rows = q_rank or config.num_attention_heads * config.qk_head_dim
+        heads = tp.heads(config)
+        q_heads = span(heads, config.qk_head_dim)  # rows of q_proj / q_b_proj
+        q_rows = q_rank or q_heads.stop - q_heads.start  # rows of w_a before the latent's
         whole = lambda name: (f"{ours}{name}", WHOLE, WHOLE, WHOLE)  # noqa: E731
         table = {
-            f"{hf}{'q_a_proj' if q_rank else 'q_proj'}.weight": (
-                f"{ours}w_a.weight",
-                slice(0, q_rows),
-                WHOLE,
-                WHOLE,
-            ),
             f"{hf}kv_a_proj_with_mqa.weight": (
                 f"{ours}w_a.weight",
                 slice(q_rows, q_rows + config.kv_latent_dim),
@@ -127,10 +129,23 @@ class LatentAttention(nn.Module):
                 WHOLE,
             ),
             f"{hf}kv_a_layernorm.weight": whole("kv_norm.weight"),
-            f"{hf}kv_b_proj.weight": whole("wkv_b.weight"),
-            f"{hf}o_proj.weight": whole("wo.weight"),
+            f"{hf}kv_b_proj.weight": (
+                f"{ours}wkv_b.weight",
+                WHOLE,
+                span(heads, config.qk_nope_head_dim + config.v_head_dim),
+                WHOLE,
+            ),
+            f"{hf}o_proj.weight": (
+                f"{ours}wo.weight",
+                WHOLE,
+                WHOLE,
+                span(heads, config.v_head_dim),
+            ),
         }
         if q_rank:
+            table[f"{hf}q_a_proj.weight"] = (f"{ours}w_a.weight", slice(0, q_rank), WHOLE, WHOLE)
             table[f"{hf}q_a_layernorm.weight"] = whole("q_norm.weight")
-            table[f"{hf}q_b_proj.weight"] = whole("wq_b.weight")
+            table[f"{hf}q_b_proj.weight"] = (f"{ours}wq_b.weight", WHOLE, q_heads, WHOLE)
+        else:
+            table[f"{hf}q_proj.weight"] = (f"{ours}w_a.weight", slice(0, q_rows), q_heads, WHOLE)
         return table
