@@ -79,6 +79,9 @@ def test_a_latent_pool_ships_one_plane_per_layer():
     kv.write_latent(1, torch.arange(5 * PAGE, 6 * PAGE), rows)
     assert torch.equal(planes.view[1, 5].view(PAGE, LATENT_DIM), rows)
     assert planes.view.data_ptr() == kv.buffer.data_ptr()  # a view, nothing copied
+    [(_, _, layer1)] = pages.layer_writes(cmd, 1)  # a layer-wise send's layer 1 alone
+    assert layer1.dst_planes.tolist() == [1] and layer1.view.shape == (1, 16, PAGE * LATENT_DIM)
+    assert torch.equal(layer1.view[0, 5].view(PAGE, LATENT_DIM), rows)
 
 
 def test_at_two_ranks_the_first_ranks_latent_pool_ships_alone():
@@ -161,8 +164,8 @@ def test_verify_compares_the_latent_rows(checkpoint):
 @pytest.mark.timeout(180)
 def test_serve_and_decode_generate_as_transformers(checkpoint):
     """The prefill's first token and the decode's steps over the latent rows that arrived
-    (checked by --verify, else the request fails) equal transformers' greedy run; a K/V
-    bootstrap at that decode is refused, both layouts named."""
+    (sent layer by layer, checked by --verify, else the request fails) equal transformers'
+    greedy run; a K/V bootstrap at that decode is refused, both layouts named."""
     reference, path = checkpoint
     port = free_port()
     decode = DecodeProc("--model-path", path, "--verify")
@@ -172,7 +175,7 @@ def test_serve_and_decode_generate_as_transformers(checkpoint):
             *("--model-path", path, "--forward-mode", "proc-ahead", "--worker-threads", "1"),
             *("--disaggregation-transfer-backend", "shm", "--page-size", str(PAGE)),
             *("--disaggregation-bootstrap-port", str(port), "--chunked-prefill-size", "32"),
-            *("--log-level", "warning"),
+            *("--log-level", "warning", "--disaggregation-layerwise-send"),
         )
         decode.wait_ready(60)
         p = prefill.client()
