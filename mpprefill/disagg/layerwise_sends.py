@@ -49,6 +49,11 @@ class LayerwiseSends:
         """Sends wait for layers still being computed: poll the counter often."""
         return bool(self._sends)
 
+    def finishing(self) -> bool:
+        """Some send's forward is computing its last layer: it ends any moment."""
+        seqs = {x.seq for x in self._sends}
+        return any(self.progress.layers_done(seq) >= self.num_layers - 1 for seq in seqs)
+
     def holds(self, s: TransferSender) -> bool:
         """Some of `s`'s pages are still being sent layer by layer: its later commands (its
         last send, which announces every page) wait."""

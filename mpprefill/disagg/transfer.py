@@ -69,6 +69,7 @@ from mpprefill.trace.tracer import clock_ns, get_tracer
 logger = logging.getLogger(__name__)
 
 DEFAULT_DECODE_ADDRESS = "127.0.0.1:30200"
+LAST_LAYER_POLL_S = 1e-4  # a forward's last layer: its end is watched this closely
 
 
 class TransferBackend:
@@ -251,9 +252,14 @@ class TransferBackend:
 
     def _poll_ms(self) -> int:
         """Layer-wise sends wait for layers a forward is computing: look at its counter
-        each millisecond (a layer takes longer)."""
-        if self.layerwise is not None and self.layerwise.waiting:
-            return 1
+        each millisecond (a layer takes longer), and every LAST_LAYER_POLL_S while a
+        forward computes its last layer, whose end the first token waits for."""
+        lw = self.layerwise
+        if lw is not None and lw.waiting:
+            if not lw.finishing():
+                return 1
+            time.sleep(LAST_LAYER_POLL_S)
+            return 0
         return 20 if self.rooms.busy else 200
 
     def _run_commands(self) -> bool:
