@@ -67,6 +67,18 @@ def check_decode_segment(handle: ipc.TensorHandle) -> None:
         raise ValueError(f"decode pool {handle.name} has {st.st_size} bytes, not {nbytes}")
 
 
+def _gather(view: torch.Tensor, pages: torch.Tensor, out: torch.Tensor) -> None:
+    """`out[p] = view[p, pages]` for every plane p. A layer's planes (a strided view, one
+    plane in every L of the pool: PoolPlanes.layer) go one plane at a time: index_select
+    over dim 1 of such a view took 11 ms for two planes of 256 pages here, against 10 us
+    plane by plane."""
+    if view.is_contiguous():
+        torch.index_select(view, 1, pages, out=out)
+        return
+    for plane, rows in zip(view, out):
+        torch.index_select(plane, 0, pages, out=rows)
+
+
 class ShmPool:
     """The decode receiver's pool in a segment named after this process (swept if it dies)."""
 
@@ -134,7 +146,7 @@ class ShmTransfer(TransferBackend):
         src = src.to(view.device)
         for i in range(0, len(src), step):
             staged = self._staging(view, len(src[i : i + step]))
-            torch.index_select(view, 1, src[i : i + step], out=staged)
+            _gather(view, src[i : i + step], staged)
             at = flat_index(planes.dst_planes, dst[i : i + step], remote.shape[1])
             staged = staged.view(-1, *rows.shape[1:]).to(rows.device)
             rows.index_copy_(0, at.to(remote.device), staged)
