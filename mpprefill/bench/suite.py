@@ -467,20 +467,19 @@ def format_decode_ttft(results: list[dict]) -> str:
         "",
         "TTFT at the decode (request sent to the prefill -> the decode sends the first token),"
         " ms; p50: median of the trials' p50s:",
-        f"{'point':>20} {'mode':>12} {'prompt':>7} {'link Gb/s':>9} {'p50':>9} {'p99':>9}"
-        f"  trials' p50",
+        f"{'prompt':>7} {'link Gb/s':>9} {'mode':>12} {'p50':>9} {'p99':>9}  {'trials p50':<40}"
+        "  point",
     ]
     for res in results:
-        server = res["config"]["server"]
-        gbps = server.get("emulate_link_gbps")
+        gbps = res["config"]["server"].get("emulate_link_gbps")
         for r in res["runs"]:
             p50s = [t for t in r.get("ttft_decode_p50_ms_trials", []) if t is not None]
             if not p50s:
                 continue
             trials = " / ".join(f"{t:.1f}" for t in p50s)
             lines.append(
-                f"{res['config']['label']:>20} {r['mode']:>12} {res['config']['prompt_len']:7d} "
-                f"{'-' if gbps is None else f'{gbps:g}':>9} {statistics.median(p50s):9.1f} "
-                f"{r['ttft_decode_p99_ms']:9.1f}  {trials}"
+                f"{res['config']['prompt_len']:7d} {'-' if gbps is None else f'{gbps:g}':>9} "
+                f"{r['mode']:>12} {statistics.median(p50s):9.1f} {r['ttft_decode_p99_ms']:9.1f}"
+                f"  {trials:<40}  {res['config']['label']}"
             )
     return "\n".join(lines)
