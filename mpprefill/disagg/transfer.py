@@ -20,6 +20,7 @@ The backend owns the thread and composes its parts, each called from the thread 
       TransferDeadlines transfer_deadlines.py   what is due when: bootstraps, expiry, pings
     DecodeReplies       decode_replies.py       each frame from a link, applied to its room
     PageWrites          page_writes.py          which pages a send writes where
+    TransferLink        transfer_link.py        completions out, held by an emulated link
 
 It polls, runs the commands the senders queue, and does what needs the decode pool: the
 subclass hooks (`_attach`, `_write`, `_release`: shm_backend.py, mooncake_backend.py) open
@@ -54,7 +55,9 @@ from mpprefill.disagg.rank_pools import ShippedKV
 from mpprefill.disagg.room_registry import RoomRegistry
 from mpprefill.disagg.sender import TransferDied
 from mpprefill.disagg.transfer_deadlines import TransferDeadlines
+from mpprefill.disagg.transfer_link import TransferLink
 from mpprefill.disagg.transfer_sender import CommandQueue, TransferCmd, TransferSender
+from mpprefill.layer_configs import LinkConfig
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.ports import DEFAULT_BOOTSTRAP_PORT
 from mpprefill.trace.tracer import clock_ns, get_tracer
@@ -84,6 +87,7 @@ class TransferBackend:
         bootstrap_host: str = "127.0.0.1",
         bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
         max_waiting_registrations: int = DEFAULT_MAX_WAITING,
+        link: LinkConfig | None = None,
     ) -> None:
         """`kv`: the prefill's KV pool, or every tensor-parallel rank's with the KV heads it
         holds (Worker.kv_shards; rank_pools.py says which are read, each writing its heads).
@@ -96,7 +100,8 @@ class TransferBackend:
         pages: see TransferSender._window). Without `decode_address`, the bootstrap endpoint binds
         `bootstrap_host:bootstrap_port` (0: any free port; `.endpoint.port` says which);
         registrations whose request has not come yet wait at most `bootstrap_timeout`, at
-        most `max_waiting_registrations` of them."""
+        most `max_waiting_registrations` of them. `link`: an emulated network link the pages
+        and completions take (transfer_link.py); None: none."""
         self.shipped = ShippedKV.of(kv)
         self.pages = PageWrites(self.shipped, page_size)
         self.page_size = page_size
@@ -116,6 +121,7 @@ class TransferBackend:
         self._deadlines = TransferDeadlines(transfer_timeout, dead_timeout, heartbeat_interval)
         self.rooms = self._live_rooms()
         self.replies = DecodeReplies(self.rooms, self._deadlines)
+        self.out = TransferLink(self.rooms, link, self.layout)
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.name}", daemon=True)
         self._thread.start()
 
@@ -218,7 +224,8 @@ class TransferBackend:
     def _step(self) -> bool:
         """One round: commands, frames from the links and the endpoint, then what is due.
         False once the stop command came."""
-        events = dict(self._poller.poll(20 if self.rooms.busy else 200))
+        idle_ms = 20 if self.rooms.busy else 200
+        events = dict(self._poller.poll(self.out.poll_ms(idle_ms, time.monotonic())))
         if self.commands.wake_fd in events:
             self.commands.clear_wake()
         if not self._run_commands():
@@ -261,7 +268,7 @@ class TransferBackend:
         s.wrote(len(cmd.src))
         if cmd.last:
             s.awaiting_ack = True
-            self.rooms.post(s.room, self.pages.transfer_done(s, cmd))
+            self.out.done(s, self.pages.transfer_done(s, cmd))
 
     def _write_pages(self, cmd: TransferCmd, after: int) -> bool:
         """Write the send's pages once the forward `after` that wrote them completed; False
@@ -273,6 +280,7 @@ class TransferBackend:
                 return False
         t0 = clock_ns()
         for src, dst, planes in self.pages.writes(cmd):
+            self.out.handed(src, planes)
             self._write(s.target, src, dst, planes)
         tracer = get_tracer()
         if tracer.enabled:
@@ -305,6 +313,7 @@ class TransferBackend:
         return target, self.pages.check_reply(msg, remote)
 
     def _tick(self, now: float) -> None:
+        self.out.release(now)
         self.rooms.tick(now)
 
     def _shutdown(self) -> None:

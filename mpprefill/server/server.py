@@ -341,6 +341,7 @@ def _make_transfer(args: ServerArgs, worker):
     (with pinned staging on a GPU this keeps the scheduler free of CUDA); sends wait on the
     worker's KV write fence."""
     from mpprefill.disagg.backends import make_transfer
+    from mpprefill.emulation.setup import transfer_link_for
 
     backend = args.disaggregation_transfer_backend
     kv = worker.kv_shards() if backend != "fake" else None
@@ -354,6 +355,7 @@ def _make_transfer(args: ServerArgs, worker):
         fence=worker.kv_fence,
         bootstrap_host=args.host,
         bootstrap_port=args.bootstrap_listen.port,
+        link=transfer_link_for(args.link_config(), args.worker_device),
     )
 
 
