@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -24,12 +25,24 @@ def shared_prefix_prompts(seed: int, n: int = 12) -> list[list[int]]:
 
 
 def dense_last_logits(prompt: list[int]) -> torch.Tensor:
-    """One unchunked forward of the whole prompt on a private KV pool."""
-    model = load_model(None)
+    """One unchunked forward of the whole prompt on a private KV pool. The built-in model
+    and the prompt fix the result, so each prompt's is computed once a test process (the
+    same prompts are checked in every mode and page size)."""
+    return _dense_last_logits(tuple(prompt))
+
+
+@functools.cache
+def _dense_last_logits(prompt: tuple[int, ...]) -> torch.Tensor:
+    model = _builtin_model()
     kv = KVCache.for_model(model.config, len(prompt))
-    fb = ForwardBatch.build([prompt], [0], [list(range(len(prompt)))])
+    fb = ForwardBatch.build([list(prompt)], [0], [list(range(len(prompt)))])
     with torch.inference_mode():
         return model(fb, kv)[0]
+
+
+@functools.cache
+def _builtin_model():
+    return load_model(None)
 
 
 @pytest.mark.parametrize("mode", LOCAL_MODES)
