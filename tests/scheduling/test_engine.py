@@ -13,6 +13,9 @@ from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, load_model
 
 LOCAL_MODES = ["normal", "overlap", "thread", "thread-ahead"]
+# NOTE: one torch thread (--worker-threads 1): two test workers share the cores, and a
+# forward whose threads wait for a busy core runs many times slower
+ONE_THREAD = dict(worker_threads=1)
 
 
 def shared_prefix_prompts(seed: int, n: int = 12) -> list[list[int]]:
@@ -55,6 +58,7 @@ def test_modes_match_dense_and_drain_clean(mode, page_size, chunk):
         chunked_prefill_size=chunk,
         max_prefill_tokens=96,
         check_invariants=True,
+        **ONE_THREAD,
     ) as eng:
         outs = eng.prefill(prompts, return_logits=True)
         again = eng.prefill(prompts[:3], return_logits=True)  # all prefixes cached now
@@ -129,7 +133,7 @@ def test_pool_smaller_than_workload_evicts_and_queues():
 
 def test_disabled_prefix_cache_computes_every_prompt_whole():
     prompts = shared_prefix_prompts(4, n=8)
-    with PrefillEngine(forward_mode="proc-ahead", disable_radix_cache=True) as eng:
+    with PrefillEngine(forward_mode="proc-ahead", disable_radix_cache=True, **ONE_THREAD) as eng:
         outs = eng.prefill(prompts, return_logits=True)
         assert eng.scheduler.tree.total_size() == 0
         eng.check_invariants(flush=True)

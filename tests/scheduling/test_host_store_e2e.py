@@ -22,6 +22,9 @@ ENGINE_KW = dict(
     chunked_prefill_size=64,
     max_total_tokens=256,  # holds about two of the six system prompts
     check_invariants=True,
+    # NOTE: one torch thread: two test workers share the cores, and a forward whose
+    # threads wait for a busy core runs many times slower
+    worker_threads=1,
 )
 
 

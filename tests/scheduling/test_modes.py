@@ -24,6 +24,9 @@ ENGINE_KW = dict(
     max_prefill_tokens=96,
     max_running_requests=4,
     check_invariants=True,
+    # NOTE: one torch thread: two test workers share the cores, and a forward whose
+    # threads wait for a busy core runs many times slower
+    worker_threads=1,
 )
 
 
@@ -131,7 +134,11 @@ def test_loop_order_matches_design(mode):
     prompts = [[100 + i] * (17 + 3 * i) for i in range(5)]
     with (
         PrefillEngine(
-            forward_mode=mode, max_running_requests=1, delay_sampling=True, page_size=16
+            forward_mode=mode,
+            max_running_requests=1,
+            delay_sampling=True,
+            page_size=16,
+            worker_threads=1,
         ) as eng,
         traced_steps() as steps,
     ):
@@ -143,7 +150,8 @@ def test_loop_order_matches_design(mode):
 def test_ahead_loops_submit_the_next_batch_before_collecting(mode):
     """Without deferred sampling the worker is handed N + 1 while it runs N."""
     prompts = [[100 + i] * (17 + 3 * i) for i in range(5)]
-    with PrefillEngine(forward_mode=mode, max_running_requests=1, page_size=16) as eng:
+    kw = dict(max_running_requests=1, page_size=16, worker_threads=1)
+    with PrefillEngine(forward_mode=mode, **kw) as eng:
         with traced_steps() as steps:
             eng.prefill(prompts)
         eng.check_invariants(flush=True)

@@ -22,6 +22,9 @@ ENGINE_KW = dict(
     max_total_tokens=1024,
     swa_full_tokens_ratio=0.06,  # 15 pages of 4: less than one long prompt
     check_invariants=True,
+    # NOTE: one torch thread: two test workers share the cores, and a forward whose
+    # threads wait for a busy core runs many times slower
+    worker_threads=1,
     **SWA,
 )
 
