@@ -155,16 +155,14 @@ def test_requests_whose_bootstrap_failed_are_counted():
 
 
 def test_the_front_ends_with_serve_on_sigterm_and_on_sigkill():
-    cases = ((signal.SIGTERM, 0), (signal.SIGKILL, -signal.SIGKILL))
-    servers = [ServeWithFront() for _ in cases]  # one serve a signal, started side by side
-    try:
-        for s, (sig, code) in zip(servers, cases, strict=True):
-            front = s.wait_healthy().front_pid()
+    for sig, code in ((signal.SIGTERM, 0), (signal.SIGKILL, -signal.SIGKILL)):
+        s = ServeWithFront.start()
+        try:
+            front = s.front_pid()
             s.proc.send_signal(sig)
             assert s.proc.wait(30) == code, s.output()
             assert _gone(front), f"the front outlived serve ({signal.Signals(sig).name})"
-    finally:
-        for s in servers:
+        finally:
             terminate(s.proc)
             s.log.close()
 
