@@ -60,6 +60,8 @@ def cluster():
                 "--chunked-prefill-size",
                 str(CHUNK),
                 "--check-invariants",
+                "--worker-threads",  # NOTE: the test workers share the cores; see test_engine
+                "1",
                 "--disaggregation-transfer-backend",
                 backend,
                 "--decode-address",
