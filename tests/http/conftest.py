@@ -20,7 +20,7 @@ SPECIALS = ["<unk>", "<s>", "</s>"]
 def serve():
     s = Serve.start(
         *("--forward-mode", "normal", "--context-length", str(CONTEXT_LENGTH)),
-        *("--log-level", "warning"),
+        *("--worker-threads", "1", "--log-level", "warning"),
     )
     yield s
     s.kill()
