@@ -12,6 +12,7 @@ from mpprefill.flags import option
 from mpprefill.layer_configs import (
     SWA_PATTERN_HELP,
     HostTierConfig,
+    LinkConfig,
     ModelSource,
     PoolConfig,
     WorkerConfig,
@@ -55,6 +56,9 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 # "auto": the best the device has (see mpprefill.model.attention)
 ATTENTION_BACKENDS = ("auto", "torch_native", "torch_varlen")
 LOOPBACK = "127.0.0.1"
+# An RDMA write over one switch: NICs quote 1-2 us port to port; a switch hop and the
+# completion's poll bring it to a few.
+DEFAULT_LINK_LATENCY_US = 5.0
 API_KEY_HELP = (
     "every HTTP route but /health needs `Authorization: Bearer KEY` (else 401); default"
     " $MPPREFILL_API_KEY. The HTTP front gets the key through its environment, never its"
@@ -224,6 +228,17 @@ class ServerArgs:
     transfer_timeout: float = option(
         300.0, "seconds a request's KV may take from its first page sent to the decode's ack"
     )
+    emulate_link_gbps: float | None = option(
+        None,
+        "emulate the network link the KV transfer takes (shm and mooncake): this many Gb/s,"
+        " one message (a page write, a room's completion) after another; a room's completion"
+        " reaches the decode only once its last byte would have (default: no emulation)",
+    )
+    emulate_link_latency_us: float = option(
+        DEFAULT_LINK_LATENCY_US,
+        "with --emulate-link-gbps: each message's one-way latency in microseconds, overlapping"
+        " between messages (default: an RDMA write's few microseconds)",
+    )
     random_seed: int = option(0, "seed of the built-in model's weights")
     record_batches: str | None = option(None, "on exit, write every batch's shape (JSON) here")
     log_level: str = option("info", "logging level")
@@ -291,6 +306,7 @@ class ServerArgs:
         if min(self.bootstrap_timeout, self.transfer_timeout) <= 0:
             raise ValueError("--bootstrap-timeout and --transfer-timeout must be positive")
         self._check_choices()
+        self.link_config()  # raises on a bad link
         if self.api_key == "":
             raise ValueError("--api-key must not be empty")
         self._check_ports()
@@ -451,6 +467,12 @@ class ServerArgs:
             device=self.worker_device,
             batched_writeback=not self.disable_batched_writeback,
         )
+
+    def link_config(self) -> LinkConfig | None:
+        """The emulated network link of the KV transfer; None without --emulate-link-gbps."""
+        if self.emulate_link_gbps is None:
+            return None
+        return LinkConfig(self.emulate_link_gbps, self.emulate_link_latency_us)
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(

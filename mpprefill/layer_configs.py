@@ -4,6 +4,7 @@ settings."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,26 @@ class HostTierConfig:
     page_size: int
     device: Device  # its host link times the copies on the emulated device
     batched_writeback: bool = True
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """The emulated network link the KV transfer takes (disagg/emulated_link.py): `gbps`
+    of bandwidth, `latency_us` per message. `kv_bytes_per_token`: the bytes one token's KV
+    of one layer puts on the wire, where they are not the pool's own (the emulated device's
+    model is wider than its host stand-in); None: the bytes the pool holds."""
+
+    gbps: float
+    latency_us: float
+    kv_bytes_per_token: int | None = None
+
+    def __post_init__(self):
+        if not (self.gbps > 0 and math.isfinite(self.gbps)):
+            raise ValueError(f"--emulate-link-gbps must be a positive number, got {self.gbps}")
+        if not (self.latency_us >= 0 and math.isfinite(self.latency_us)):
+            raise ValueError(f"--emulate-link-latency-us must be >= 0, got {self.latency_us}")
+        if self.kv_bytes_per_token is not None and self.kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be positive, got {self.kv_bytes_per_token}")
 
 
 @dataclass(frozen=True)  # NOTE: no slots: it crosses spawn by pickle, also on Python 3.10

@@ -85,6 +85,8 @@ def _bench_args(ap: argparse.ArgumentParser) -> None:
         ("chunks", "per-batch token budgets (chunked prefill size = max prefill tokens)"),
         ("launch-us", "host launch costs, us per kernel (default: --emulate-launch-us)"),
         ("switch-ms", "GIL switch intervals, ms (default: --switch-interval-ms)"),
+        ("prompt-lens", "prompt lengths in tokens (default: --prompt-len)"),
+        ("link-gbps", "emulated link speeds, Gb/s, none: no link (default: --emulate-link-gbps)"),
     ):
         ap.add_argument(
             f"--sweep-{name}",
@@ -103,6 +105,13 @@ def _bench_args(ap: argparse.ArgumentParser) -> None:
         default="zmq",
         help="http: run each mode through serve's HTTP front too, interleaved with its ZeroMQ"
         " run, and report the front's cost in uncached ITPS",
+    )
+    ap.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most this many requests unanswered at once; one that arrives over it waits"
+        " for an answer (default: no limit; 1 times each request alone)",
     )
     ap.add_argument(
         "--bound-mode",

@@ -34,6 +34,7 @@ class ReqResult:
     error: str | None = None
     t_prefill: float | None = None  # prefill replied done (KV transfer succeeded)
     t_decode: float | None = None  # decode has every page and the first token
+    t_decode_emitted: float | None = None  # the decode sent the first token (its own stamp)
     verified: bool | None = None
 
     @property
@@ -44,6 +45,13 @@ class ReqResult:
     def ttft_s(self) -> float | None:
         end = self.t_decode if self.t_decode is not None else self.t_prefill
         return None if end is None else end - self.t_send
+
+    @property
+    def ttft_decode_s(self) -> float | None:
+        """From the send to the prefill to the decode's sending of the first token (as the
+        decode stamped it; both stamps are this host's CLOCK_MONOTONIC)."""
+        emitted = self.t_decode_emitted
+        return None if emitted is None else emitted - self.t_send
 
 
 class Router:
@@ -78,23 +86,34 @@ class Router:
         self.prefill.send(protocol.abort_frame(rid))
 
     def run(
-        self, specs: list[RequestSpec], room_base: int, timeout: float, on_complete=None
+        self,
+        specs: list[RequestSpec],
+        room_base: int,
+        timeout: float,
+        on_complete=None,
+        max_concurrency: int | None = None,
     ) -> list[ReqResult]:
+        """Send `specs` at their arrival times, at most `max_concurrency` unanswered at once
+        (None: no limit; a request held back goes out as soon as one is answered)."""
         results = {s.rid: ReqResult(s.rid, len(s.input_ids), 0.0) for s in specs}
         rooms = {s.rid: room_base + i for i, s in enumerate(specs)}
         pending = list(specs)
-        done = 0
+        limit = max_concurrency or len(specs)
+        sent = done = 0
         t0 = time.monotonic()
         deadline = t0 + timeout
         while done < len(specs):
             now = time.monotonic()
-            while pending and t0 + pending[0].arrival_s <= now:
+            while pending and t0 + pending[0].arrival_s <= now and sent - done < limit:
                 spec = pending.pop(0)
                 self._send(spec, rooms[spec.rid], results)
+                sent += 1
             if now > deadline:
                 raise TimeoutError(f"{len(specs) - done} requests unanswered after {timeout}s")
-            wait = 50 if not pending else max(0, int((t0 + pending[0].arrival_s - now) * 1000))
-            for sock, _ in self.poller.poll(min(wait, 50)):
+            wait = 50  # a reply ends the wait, and a request held by the limit waits for one
+            if pending and sent - done < limit:
+                wait = max(0, min(wait, int((t0 + pending[0].arrival_s - now) * 1000)))
+            for sock, _ in self.poller.poll(wait):
                 done += self._receive(sock, results, on_complete)
         return [results[s.rid] for s in specs]
 
@@ -128,6 +147,7 @@ class Router:
             return
         if from_decode:
             r.t_decode = now
+            r.t_decode_emitted = reply.get("emitted_at")
             r.verified = reply.get("verified")
         else:
             r.t_prefill = now

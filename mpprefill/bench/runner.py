@@ -46,6 +46,7 @@ _SERVE_VALUES = (
     "attention_backend",
 )
 _EMULATED_VALUES = ("emulate_model", "emulate_gpu", "emulate_launch_us", "emulate_issue")
+_LINK_VALUES = ("emulate_link_gbps", "emulate_link_latency_us")
 _SERVE_SWITCHES = (
     "disaggregation_layerwise_send",
     "delay_sampling",
@@ -64,6 +65,7 @@ class BenchConfig:
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="mpp-bench-"))
     trace_dir: str | None = None
     verify: bool = False
+    max_concurrency: int | None = None  # requests unanswered at once (None: no limit)
 
     def server_flags(self, mode: str, record: str | None) -> list[str]:
         a = self.server
@@ -72,6 +74,8 @@ class BenchConfig:
         flags += _switches(a, *_SERVE_SWITCHES)
         if a.worker_device.emulated:
             flags += _values(a, *_EMULATED_VALUES)
+        if a.emulate_link_gbps is not None:
+            flags += _values(a, *_LINK_VALUES)
         if a.host_store_size:
             flags += ["--host-store-size", a.host_store_size]
         if record:
@@ -151,6 +155,7 @@ def _measure(cfg: BenchConfig, mode: str, work: Workload, server: Child, decode:
                 room_base=1 << 20,
                 timeout=cfg.timeout_s,
                 on_complete=lambda r: bar.update(1),
+                max_concurrency=cfg.max_concurrency,
             )
         after = client.stats()
     finally:
@@ -180,6 +185,7 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
     prompt = sum(r.prompt_tokens for r in done)
     cached = sum(r.cached_tokens for r in done)
     ttft = [r.ttft_s * 1e3 for r in done]
+    at_decode = [r.ttft_decode_s * 1e3 for r in done if r.ttft_decode_s is not None]
     return {
         "mode": mode,
         "uncached_itps": (prompt - cached) / duration,
@@ -194,6 +200,9 @@ def summarize_run(mode: str, results: list[ReqResult], before: dict, after: dict
             "p50": float(np.percentile(ttft, 50)) if ttft else 0.0,
             "p99": float(np.percentile(ttft, 99)) if ttft else 0.0,
         },
+        # None where no decode server answered (the fake backend)
+        "ttft_decode_p50_ms": float(np.percentile(at_decode, 50)) if at_decode else None,
+        "ttft_decode_p99_ms": float(np.percentile(at_decode, 99)) if at_decode else None,
         "first_tokens_sha256": first_tokens_sha256(done),
         **_counter_figures(before, after, duration),
         "uncached_tokens": prompt - cached,

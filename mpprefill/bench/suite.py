@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import itertools
 import os
+import statistics
 import sys
 import tempfile
 
@@ -67,7 +68,15 @@ class _Point:
 def _prepare(args: argparse.Namespace, server: ServerArgs, label: str) -> _Point:
     modes = parse_modes(args.modes)
     work = make_workload(args, server.page_size)
-    cfg = BenchConfig(server, modes, trace_dir=args.trace_dir, verify=args.verify)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    cfg = BenchConfig(
+        server,
+        modes,
+        trace_dir=args.trace_dir,
+        verify=args.verify,
+        max_concurrency=args.max_concurrency,
+    )
     fronts = ("zmq", "http") if args.front == "http" else ("zmq",)
     print(
         f"[{label}] {len(work)} requests, {work.num_prompt_tokens} prompt tokens, hit rate "
@@ -160,12 +169,19 @@ def _gap(run: dict) -> str:
     return f"{run['handoff_gap_ms']:.2f}m" if run.get("handoff_batches") else "-"
 
 
+def _decode_ttft(run: dict) -> str:
+    """TTFT at the decode, p50/p99 ms; "-" where no decode server answered."""
+    p50, p99 = run.get("ttft_decode_p50_ms"), run.get("ttft_decode_p99_ms")
+    return "-" if p50 is None else f"{p50:.1f}/{p99:.1f}"
+
+
 def _median_run(trials: list[dict]) -> dict:
     """The run with the median uncached ITPS, plus every trial's figure."""
     ordered = sorted(trials, key=lambda r: r["uncached_itps"])
     run = dict(ordered[len(ordered) // 2])
     run["uncached_itps_trials"] = [r["uncached_itps"] for r in trials]
     run["trials"] = run["uncached_itps_trials"]  # the contract's name for them
+    run["ttft_decode_p50_ms_trials"] = [r.get("ttft_decode_p50_ms") for r in trials]
     run["leaks"] = {**run["leaks"], "ok": all(r["leaks"]["ok"] for r in trials)}
     return run
 
@@ -223,8 +239,8 @@ def format_table(result: dict) -> str:
     best_thread = max(threads) if threads else None
     head = (
         f"{'mode':>12} {'uncached ITPS':>13} {'x thread':>8} {'x bound':>7} {'hit':>5} "
-        f"{'TTFT p50/p99 ms':>16} {'batches':>7} {'t_sched':>8} {'t_issue':>8} "
-        f"{'t_device':>8} {'dev busy':>8} {'gap':>7} {'leaks':>5}"
+        f"{'TTFT p50/p99 ms':>16} {'at decode p50/p99':>17} {'batches':>7} {'t_sched':>8} "
+        f"{'t_issue':>8} {'t_device':>8} {'dev busy':>8} {'gap':>7} {'leaks':>5}"
     )
     device = runs[0].get("device", "cpu") if runs else "cpu"
     lines = [f"device: {device}", head, "-" * len(head)]
@@ -233,7 +249,7 @@ def format_table(result: dict) -> str:
         lines.append(
             f"{r['mode']:>12} {r['uncached_itps']:13,.0f} {xt} "
             f"{r['uncached_itps'] / bound:7.2f} {r['cache_hit_rate']:5.2f} "
-            f"{r['ttft_ms']['p50']:7.0f}/{r['ttft_ms']['p99']:<8.0f} "
+            f"{r['ttft_ms']['p50']:7.0f}/{r['ttft_ms']['p99']:<8.0f} {_decode_ttft(r):>17} "
             f"{r['num_batches']:7d} {r['t_sched_ms']:7.2f}m {r['t_issue_ms']:7.2f}m "
             f"{r['t_device_ms']:7.2f}m {r['device_busy_frac']:8.2f} "
             f"{_gap(r):>7} {'ok' if r['leaks']['ok'] else 'LEAK':>5}"
@@ -338,6 +354,8 @@ def run_sweep(args: argparse.Namespace) -> dict:
         ]
         results = [run_bench(ns, server, label=label) for label, ns, server in points]
     print(format_sweep(results))
+    if any(r.get("ttft_decode_p50_ms") is not None for res in results for r in res["runs"]):
+        print(format_decode_ttft(results))
     if args.heatmap and base.worker_device.emulated:
         written = plot_sensitivity_maps(results, args.heatmap)
         print(f"sensitivity maps: {', '.join(written)}", file=sys.stderr)
@@ -358,10 +376,14 @@ def _emulated_points(args, base: ServerArgs) -> list[tuple[str, argparse.Namespa
     chunks = _list(args.sweep_chunks, int, EMULATED_CHUNKS)
     launches = _list(args.sweep_launch_us, float, (base.emulate_launch_us,))
     switches = _list(args.sweep_switch_ms, float, (base.switch_interval_ms,))
+    prompts = _list(args.sweep_prompt_lens, int, (args.prompt_len,))
+    links = _list(args.sweep_link_gbps, _gbps, (base.emulate_link_gbps,))
     out = []
-    for model, chunk, launch, switch in itertools.product(models, chunks, launches, switches):
+    grid = itertools.product(models, chunks, launches, switches, prompts, links)
+    for model, chunk, launch, switch, prompt_len, gbps in grid:
         ns = argparse.Namespace(**vars(args))
         ns.num_requests = args.num_requests * max(1, chunk // REQUEST_SCALE_TOKENS)
+        ns.prompt_len = prompt_len
         server = dataclasses.replace(
             base,
             emulate_model=model,
@@ -370,10 +392,20 @@ def _emulated_points(args, base: ServerArgs) -> list[tuple[str, argparse.Namespa
             max_total_tokens=max(base.max_total_tokens, EMULATED_POOL_TOKENS),
             emulate_launch_us=launch,
             switch_interval_ms=switch,
+            emulate_link_gbps=gbps,
         )
         label = f"{model}@{chunk}, {launch:g} us/launch, switch {switch:g} ms"
+        if args.sweep_prompt_lens:
+            label += f", {prompt_len} tokens"
+        if gbps is not None:
+            label += f", link {gbps:g} Gb/s"
         out.append((label, ns, server))
     return out
+
+
+def _gbps(text: str) -> float | None:
+    """A link speed of --sweep-link-gbps; "none": no emulated link."""
+    return None if text == "none" else float(text)
 
 
 def _sweep_point(args, base: ServerArgs, label: str, point: SweepPoint, model_dir: str):
@@ -426,3 +458,28 @@ def _rel(run: dict | None, other: dict) -> str:
     if run is None:
         return "-"
     return f"{run['uncached_itps'] / other['uncached_itps']:.2f}"
+
+
+def format_decode_ttft(results: list[dict]) -> str:
+    """TTFT at the decode per point and mode: the median over the trials of each trial's
+    p50, the median run's p99, and every trial's p50."""
+    lines = [
+        "",
+        "TTFT at the decode (request sent to the prefill -> the decode sends the first token),"
+        " ms; p50: median of the trials' p50s:",
+        f"{'prompt':>7} {'link Gb/s':>9} {'mode':>12} {'p50':>9} {'p99':>9}  {'trials p50':<40}"
+        "  point",
+    ]
+    for res in results:
+        gbps = res["config"]["server"].get("emulate_link_gbps")
+        for r in res["runs"]:
+            p50s = [t for t in r.get("ttft_decode_p50_ms_trials", []) if t is not None]
+            if not p50s:
+                continue
+            trials = " / ".join(f"{t:.1f}" for t in p50s)
+            lines.append(
+                f"{res['config']['prompt_len']:7d} {'-' if gbps is None else f'{gbps:g}':>9} "
+                f"{r['mode']:>12} {statistics.median(p50s):9.1f} {r['ttft_decode_p99_ms']:9.1f}"
+                f"  {trials:<40}  {res['config']['label']}"
+            )
+    return "\n".join(lines)

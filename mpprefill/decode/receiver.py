@@ -36,6 +36,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import zmq
 
@@ -424,7 +425,7 @@ class DecodeReceiver:
             return
         if room.client:
             reply = wire.RouterReply(room.rid, "error", error="the KV that arrived failed --verify")
-        self._finish(room, reply)
+        self._finish(room, msgspec.structs.replace(reply, emitted_at=time.monotonic()))
 
     def _finish(self, room: Room, reply: wire.RouterReply, drain: bool = False) -> None:
         """Answer the router (the server: `failed`) and free the pages (after the prefill

@@ -21,6 +21,7 @@ The backend owns the thread and composes its parts, each called from the thread 
     DecodeReplies       decode_replies.py       each frame from a link, applied to its room
     PageWrites          page_writes.py          which pages a send writes where
     LayerwiseSends      layerwise_sends.py      layer-wise sends: which layer is due
+    TransferLink        transfer_link.py        completions out, held by an emulated link
 
 With `layers` (the worker's per-layer counter) a send may be layer-wise: queued when its
 forward is submitted, each layer written as soon as the forward wrote it. Commands behind a
@@ -61,7 +62,9 @@ from mpprefill.disagg.rank_pools import ShippedKV
 from mpprefill.disagg.room_registry import RoomRegistry
 from mpprefill.disagg.sender import TransferDied
 from mpprefill.disagg.transfer_deadlines import TransferDeadlines
+from mpprefill.disagg.transfer_link import TransferLink
 from mpprefill.disagg.transfer_sender import CommandQueue, TransferCmd, TransferSender
+from mpprefill.layer_configs import LinkConfig
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.ports import DEFAULT_BOOTSTRAP_PORT
 from mpprefill.trace.tracer import clock_ns, get_tracer
@@ -93,6 +96,7 @@ class TransferBackend:
         bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
         max_waiting_registrations: int = DEFAULT_MAX_WAITING,
         layers=None,
+        link: LinkConfig | None = None,
     ) -> None:
         """`kv`: the prefill's KV pool, or every tensor-parallel rank's with the KV heads it
         holds (Worker.kv_shards; rank_pools.py says which are read, each writing its heads).
@@ -108,7 +112,8 @@ class TransferBackend:
         most `max_waiting_registrations` of them. `layers` (the worker's `layer_progress`,
         optional): how far each forward wrote its KV, layer by layer; with it, sends that
         name their forward (`layer_seq`) go layer by layer, and `layers` stays set only
-        where the pool allows it (no sliding-window pool)."""
+        where the pool allows it (no sliding-window pool). `link`: an emulated network link
+        the pages and completions take (transfer_link.py); None: none."""
         self.shipped = ShippedKV.of(kv)
         self.pages = PageWrites(self.shipped, page_size)
         if layers is not None and not self.pages.can_go_by_layer:
@@ -135,6 +140,7 @@ class TransferBackend:
         self._deadlines = TransferDeadlines(transfer_timeout, dead_timeout, heartbeat_interval)
         self.rooms = self._live_rooms()
         self.replies = DecodeReplies(self.rooms, self._deadlines)
+        self.out = TransferLink(self.rooms, link, self.layout)
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.name}", daemon=True)
         self._thread.start()
 
@@ -237,7 +243,8 @@ class TransferBackend:
     def _step(self) -> bool:
         """One round: commands, frames from the links and the endpoint, then what is due.
         False once the stop command came."""
-        events = dict(self._poller.poll(self._poll_ms()))
+        poll_ms = self.out.poll_ms(self._poll_ms(), time.monotonic())
+        events = dict(self._poller.poll(poll_ms))
         if self.commands.wake_fd in events:
             self.commands.clear_wake()
         if not self._run_commands():
@@ -331,11 +338,12 @@ class TransferBackend:
         elif self.layerwise.wrote(x, layer):
             s.wrote(len(x.cmd.src))
             if s.layerwise:
-                self.rooms.post(s.room, self.pages.layers_written(s, x.cmd))
+                self.out.done(s, self.pages.layers_written(s, x.cmd))
 
     def _write_layer(self, x: LayerSend, layer: int) -> None:
         t0 = clock_ns()
         for src, dst, planes in self.pages.layer_writes(x.cmd, layer):
+            self.out.handed(src, planes)  # one layer's bytes on the link, as it is ready
             self._write(x.cmd.sender.target, src, dst, planes)
         tracer = get_tracer()
         if tracer.enabled:
@@ -359,10 +367,10 @@ class TransferBackend:
             return
         s.wrote(len(cmd.src))
         if s.layerwise and len(cmd.src):
-            self.rooms.post(s.room, self.pages.layers_written(s, cmd))
+            self.out.done(s, self.pages.layers_written(s, cmd))
         if cmd.last:
             s.awaiting_ack = True
-            self.rooms.post(s.room, self.pages.transfer_done(s, cmd))
+            self.out.done(s, self.pages.transfer_done(s, cmd))
 
     def _write_pages(self, cmd: TransferCmd, after: int) -> bool:
         """Write the send's pages once the forward `after` that wrote them completed; False
@@ -374,6 +382,7 @@ class TransferBackend:
                 return False
         t0 = clock_ns()
         for src, dst, planes in self.pages.writes(cmd):
+            self.out.handed(src, planes)
             self._write(s.target, src, dst, planes)
         tracer = get_tracer()
         if tracer.enabled:
@@ -407,6 +416,7 @@ class TransferBackend:
         return target, self.pages.check_reply(msg, remote)
 
     def _tick(self, now: float) -> None:
+        self.out.release(now)
         self.rooms.tick(now)
 
     def _shutdown(self) -> None:

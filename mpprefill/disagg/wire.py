@@ -247,6 +247,9 @@ class RouterReply(codec.Message, omit_defaults=True):
     verified: bool | None = None
     max_abs_err: float | None = None
     error: Str | None = None
+    # the decode's time.monotonic() as it sent a done reply: CLOCK_MONOTONIC is one clock
+    # for every process of a host, so a router on the same host may subtract its own stamps
+    emitted_at: float | None = None
 
 
 class Bootstrap(Tagged, tag="bootstrap", omit_defaults=True):

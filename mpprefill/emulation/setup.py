@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from mpprefill.emulation.device import EmulatedDevice, EmulatedHostLink
 from mpprefill.emulation.shapes import EMULATED_DTYPE, ModelShape, resolve_shape
+from mpprefill.layer_configs import LinkConfig
 from mpprefill.model.config import resolve_dtypes
 
 if TYPE_CHECKING:
@@ -42,3 +43,14 @@ def clock_for(device: Device) -> EmulatedDevice | None:
 def host_link_for(device: Device) -> EmulatedHostLink | None:
     """The host link the host KV tier's copies take; None off the emulated device."""
     return None if device.emulation is None else emulated_host_link(device.emulation)
+
+
+def transfer_link_for(link: LinkConfig | None, device: Device) -> LinkConfig | None:
+    """The KV transfer's emulated link; on the emulated device a token's KV on the wire is
+    the emulated model's (one rank's heads of a tensor-parallel group: each GPU has a NIC
+    of its own), not the host stand-in's."""
+    if link is None or device.emulation is None:
+        return link
+    emu = device.emulation
+    wire_bytes = emulated_shape(emu).shard(emu.tp_size).kv_bytes_per_token
+    return dataclasses.replace(link, kv_bytes_per_token=wire_bytes)

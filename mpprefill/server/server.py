@@ -341,6 +341,7 @@ def _make_transfer(args: ServerArgs, worker):
     (with pinned staging on a GPU this keeps the scheduler free of CUDA); sends wait on the
     worker's KV write fence, layer-wise sends on its per-layer counter."""
     from mpprefill.disagg.backends import make_transfer
+    from mpprefill.emulation.setup import transfer_link_for
 
     backend = args.disaggregation_transfer_backend
     kv = worker.kv_shards() if backend != "fake" else None
@@ -355,6 +356,7 @@ def _make_transfer(args: ServerArgs, worker):
         bootstrap_host=args.host,
         bootstrap_port=args.bootstrap_listen.port,
         layers=worker.layer_progress if args.disaggregation_layerwise_send else None,
+        link=transfer_link_for(args.link_config(), args.worker_device),
     )
 
 

@@ -31,6 +31,8 @@ RUN_FIELDS = {
     "t_device_ms",
     "device_busy_frac",
     "handoff_gap_ms",
+    "ttft_decode_p50_ms",
+    "ttft_decode_p99_ms",
 }
 
 
@@ -63,6 +65,7 @@ def test_bench_json_has_the_contract_fields_and_adds_up(tmp_path):
     for run in result["runs"]:
         assert run.keys() >= RUN_FIELDS
         assert set(run["ttft_ms"]) == {"p50", "p99"}
+        assert 0 < run["ttft_decode_p50_ms"] <= run["ttft_decode_p99_ms"]  # a real decode
         assert set(run["mailbox_bytes_per_batch"]) == {"mean", "max"}
         assert run["num_finished"] + run["num_failed"] == run["num_requests"] == 12
         assert run["num_failed"] == 0 and run["leaks"]["ok"]

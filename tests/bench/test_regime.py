@@ -100,6 +100,9 @@ def test_the_emulated_sweep_crosses_its_four_dimensions():
         sweep_chunks="512,8192",
         sweep_launch_us="2,10",
         sweep_switch_ms=None,
+        sweep_prompt_lens=None,
+        sweep_link_gbps=None,
+        prompt_len=1024,
     )
     base = ServerArgs(device="emulated", switch_interval_ms=0.5)
     points = _emulated_points(args, base)
@@ -114,5 +117,34 @@ def test_the_emulated_sweep_crosses_its_four_dimensions():
     )
     assert server.emulate_launch_us == 10.0 and server.switch_interval_ms == 0.5
     assert args.num_requests == 64  # the command line's namespace is not changed
+    assert ns.prompt_len == 1024 and server.emulate_link_gbps is None
     with pytest.raises(ValueError, match="comma-separated"):
         _emulated_points(argparse.Namespace(**{**vars(args), "sweep_chunks": "512,x"}), base)
+
+
+def test_the_emulated_sweep_crosses_prompt_lengths_and_link_speeds():
+    import argparse
+
+    from mpprefill.bench.suite import _emulated_points
+    from mpprefill.config import ServerArgs
+
+    args = argparse.Namespace(
+        num_requests=2,
+        sweep_models="Llama-3.1-8B",
+        sweep_chunks="8192",
+        sweep_launch_us=None,
+        sweep_switch_ms=None,
+        sweep_prompt_lens="1024,16384",
+        sweep_link_gbps="none,25,400",
+        prompt_len=512,
+    )
+    base = ServerArgs(device="emulated")
+    points = _emulated_points(args, base)
+    assert len(points) == 6
+    grid = [(ns.prompt_len, server.emulate_link_gbps) for _, ns, server in points]
+    assert grid == [(p, g) for p in (1024, 16384) for g in (None, 25.0, 400.0)]
+    assert points[0][0] == "Llama-3.1-8B@8192, 0 us/launch, switch 5 ms, 1024 tokens"
+    assert points[-1][0].endswith(", 16384 tokens, link 400 Gb/s")
+    assert args.prompt_len == 512
+    with pytest.raises(ValueError, match="comma-separated"):
+        _emulated_points(argparse.Namespace(**{**vars(args), "sweep_link_gbps": "25,fast"}), base)

@@ -1,4 +1,5 @@
-"""Fixtures of the HTTP front's tests: one serve and its fronts per module, always stopped."""
+"""Fixtures of the HTTP front's tests: one serve and its fronts per pytest process, shared by
+the files that use them (each test leaves the server idle), always stopped."""
 
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ VOCAB = 4096  # ModelConfig.tiny().vocab_size, checked in the tests
 SPECIALS = ["<unk>", "<s>", "</s>"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def serve():
     s = Serve.start(
         *("--forward-mode", "normal", "--context-length", str(CONTEXT_LENGTH)),
-        *("--log-level", "warning"),
+        *("--worker-threads", "1", "--log-level", "warning"),
     )
     yield s
     s.kill()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ids_front(serve):
     """A front without a tokenizer (the built-in model has none)."""
     front = Front.start(serve.port, "--max-body-bytes", str(BODY_LIMIT))
@@ -33,7 +34,7 @@ def ids_front(serve):
     front.kill()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     """A word-level tokenizer over the tiny model's whole vocabulary: `w5` is token 5,
     `<s>` (1) its BOS, prepended as its tokenizer_config.json says."""
@@ -50,7 +51,7 @@ def tokenizer_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def text_front(serve, tokenizer_dir):
     front = Front.start(serve.port, "--tokenizer-path", str(tokenizer_dir))
     yield front

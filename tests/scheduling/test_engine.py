@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -12,6 +13,9 @@ from mpprefill.memory.kv_cache import KVCache
 from mpprefill.model import ForwardBatch, load_model
 
 LOCAL_MODES = ["normal", "overlap", "thread", "thread-ahead"]
+# NOTE: one torch thread (--worker-threads 1): two test workers share the cores, and a
+# forward whose threads wait for a busy core runs many times slower
+ONE_THREAD = dict(worker_threads=1)
 
 
 def shared_prefix_prompts(seed: int, n: int = 12) -> list[list[int]]:
@@ -24,12 +28,24 @@ def shared_prefix_prompts(seed: int, n: int = 12) -> list[list[int]]:
 
 
 def dense_last_logits(prompt: list[int]) -> torch.Tensor:
-    """One unchunked forward of the whole prompt on a private KV pool."""
-    model = load_model(None)
+    """One unchunked forward of the whole prompt on a private KV pool. The built-in model
+    and the prompt fix the result, so each prompt's is computed once a test process (the
+    same prompts are checked in every mode and page size)."""
+    return _dense_last_logits(tuple(prompt))
+
+
+@functools.cache
+def _dense_last_logits(prompt: tuple[int, ...]) -> torch.Tensor:
+    model = _builtin_model()
     kv = KVCache.for_model(model.config, len(prompt))
-    fb = ForwardBatch.build([prompt], [0], [list(range(len(prompt)))])
+    fb = ForwardBatch.build([list(prompt)], [0], [list(range(len(prompt)))])
     with torch.inference_mode():
         return model(fb, kv)[0]
+
+
+@functools.cache
+def _builtin_model():
+    return load_model(None)
 
 
 @pytest.mark.parametrize("mode", LOCAL_MODES)
@@ -42,6 +58,7 @@ def test_modes_match_dense_and_drain_clean(mode, page_size, chunk):
         chunked_prefill_size=chunk,
         max_prefill_tokens=96,
         check_invariants=True,
+        **ONE_THREAD,
     ) as eng:
         outs = eng.prefill(prompts, return_logits=True)
         again = eng.prefill(prompts[:3], return_logits=True)  # all prefixes cached now
@@ -116,7 +133,7 @@ def test_pool_smaller_than_workload_evicts_and_queues():
 
 def test_disabled_prefix_cache_computes_every_prompt_whole():
     prompts = shared_prefix_prompts(4, n=8)
-    with PrefillEngine(forward_mode="proc-ahead", disable_radix_cache=True) as eng:
+    with PrefillEngine(forward_mode="proc-ahead", disable_radix_cache=True, **ONE_THREAD) as eng:
         outs = eng.prefill(prompts, return_logits=True)
         assert eng.scheduler.tree.total_size() == 0
         eng.check_invariants(flush=True)

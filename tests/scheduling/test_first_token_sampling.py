@@ -4,6 +4,7 @@ with the forward or deferred): equal to transformers, and handed to the KV send.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 
@@ -42,7 +43,13 @@ def checkpoint(tmp_path_factory):
 
 def hf_first(hf, ids: list[int], penalty: float) -> tuple[int, torch.Tensor]:
     """transformers' greedy first token under `penalty`, and its penalised last logits (the
-    logits as they are for penalty 1)."""
+    logits as they are for penalty 1). The model, the prompt and the penalty fix them, so
+    each is computed once a test process (every mode checks the same prompts)."""
+    return _hf_first(hf, tuple(ids), penalty)
+
+
+@functools.cache
+def _hf_first(hf, ids: tuple[int, ...], penalty: float) -> tuple[int, torch.Tensor]:
     import transformers
 
     x = torch.tensor([ids])
@@ -86,6 +93,7 @@ def run_prefill(path, mode: str, delay: bool, reqs: list[Req], timeout: float = 
         chunked_prefill_size=16,
         delay_sampling=delay,
         check_invariants=True,
+        worker_threads=1,  # NOTE: two test workers share the cores; see test_engine
     )
     worker, config = make_worker(args, args.mode)
     done: list[Req] = []

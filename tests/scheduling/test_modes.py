@@ -24,6 +24,9 @@ ENGINE_KW = dict(
     max_prefill_tokens=96,
     max_running_requests=4,
     check_invariants=True,
+    # NOTE: one torch thread: two test workers share the cores, and a forward whose
+    # threads wait for a busy core runs many times slower
+    worker_threads=1,
 )
 
 
@@ -35,12 +38,32 @@ def reference():
     return prompts, outs
 
 
+@pytest.fixture(scope="module")
+def engines():
+    """`engines(mode)`: the module's one engine with ENGINE_KW in that mode, started when
+    first asked for (a forward process costs seconds to start), its cache empty each time.
+    The tests that share it put back what they replace on it (monkeypatch)."""
+    started: dict[str, PrefillEngine] = {}
+
+    def get(mode: str) -> PrefillEngine:
+        if mode not in started:
+            started[mode] = PrefillEngine(forward_mode=mode, **ENGINE_KW)
+        eng = started[mode]
+        eng.flush_cache()
+        eng.check_invariants()
+        return eng
+
+    yield get
+    for eng in started.values():
+        eng.close()
+
+
 @pytest.mark.parametrize("mode", FORWARD_MODES)
-def test_every_mode_gives_the_same_tokens_and_logits(mode, reference):
+def test_every_mode_gives_the_same_tokens_and_logits(mode, reference, engines):
     prompts, ref = reference
-    with PrefillEngine(forward_mode=mode, **ENGINE_KW) as eng:
-        outs = eng.prefill(prompts, return_logits=True)
-        eng.check_invariants(flush=True)
+    eng = engines(mode)
+    outs = eng.prefill(prompts, return_logits=True)
+    eng.check_invariants(flush=True)
     assert [o.first_token for o in outs] == [o.first_token for o in ref]
     assert [o.cached_tokens for o in outs] == [o.cached_tokens for o in ref]
     for o, r in zip(outs, ref):
@@ -111,7 +134,11 @@ def test_loop_order_matches_design(mode):
     prompts = [[100 + i] * (17 + 3 * i) for i in range(5)]
     with (
         PrefillEngine(
-            forward_mode=mode, max_running_requests=1, delay_sampling=True, page_size=16
+            forward_mode=mode,
+            max_running_requests=1,
+            delay_sampling=True,
+            page_size=16,
+            worker_threads=1,
         ) as eng,
         traced_steps() as steps,
     ):
@@ -123,7 +150,8 @@ def test_loop_order_matches_design(mode):
 def test_ahead_loops_submit_the_next_batch_before_collecting(mode):
     """Without deferred sampling the worker is handed N + 1 while it runs N."""
     prompts = [[100 + i] * (17 + 3 * i) for i in range(5)]
-    with PrefillEngine(forward_mode=mode, max_running_requests=1, page_size=16) as eng:
+    kw = dict(max_running_requests=1, page_size=16, worker_threads=1)
+    with PrefillEngine(forward_mode=mode, **kw) as eng:
         with traced_steps() as steps:
             eng.prefill(prompts)
         eng.check_invariants(flush=True)
@@ -132,38 +160,40 @@ def test_ahead_loops_submit_the_next_batch_before_collecting(mode):
 
 
 @pytest.mark.parametrize("mode", ["thread-ahead", "proc-ahead"])
-def test_snapshot_isolated_from_live_batch(mode, reference, monkeypatch):
+def test_snapshot_isolated_from_live_batch(mode, reference, engines, monkeypatch):
     """In the ahead loops admission runs while the forward is unfinished: rebinding the
     live batch right after submit changes nothing the forward sees, and result
     processing still lands on the real requests."""
     prompts, ref = reference
-    with PrefillEngine(forward_mode=mode, **ENGINE_KW) as eng:
-        s = eng.scheduler
-        if mode == "thread-ahead":  # make the forward read late
-            forward = eng.worker.runner.forward
-            eng.worker.runner.forward = lambda *a: (time.sleep(0.01), forward(*a))[1]
-        live = []
-        take = batch_mod.ForwardSnapshot.take
+    eng = engines(mode)
+    s = eng.scheduler
+    if mode == "thread-ahead":  # make the forward read late
+        forward = eng.worker.runner.forward
+        late = lambda *a: (time.sleep(0.01), forward(*a))[1]  # noqa: E731
+        monkeypatch.setattr(eng.worker.runner, "forward", late)
+    live = []
+    take = batch_mod.ForwardSnapshot.take
 
-        def spy(batch):
-            live.append(batch)
-            return take(batch)
+    def spy(batch):
+        live.append(batch)
+        return take(batch)
 
-        monkeypatch.setattr(batch_mod.ForwardSnapshot, "take", staticmethod(spy))
-        submit = s.submit
+    monkeypatch.setattr(batch_mod.ForwardSnapshot, "take", staticmethod(spy))
+    submit = s.submit
 
-        def submit_then_mutate(snap):
-            submit(snap)
-            batch = live[-1]
-            info = batch.sampling_info  # rebound in place: the snapshot's copy keeps its rows
-            for name in PACKED_FIELDS:
-                setattr(info, name, getattr(info, name)[:0])
-            batch.forward, batch.reqs, batch.fill_lens = None, [], []
+    def submit_then_mutate(snap):
+        submit(snap)
+        batch = live[-1]
+        info = batch.sampling_info  # rebound in place: the snapshot's copy keeps its rows
+        for name in PACKED_FIELDS:
+            setattr(info, name, getattr(info, name)[:0])
+        batch.forward, batch.reqs, batch.fill_lens = None, [], []
 
-        s.submit = submit_then_mutate
-        outs = eng.prefill(prompts, return_logits=True, timeout=120)
-        eng.check_invariants(flush=True)
-    assert len(live) == eng.scheduler.metrics.num_batches
+    monkeypatch.setattr(s, "submit", submit_then_mutate)
+    batches_before = s.metrics.num_batches  # the engine ran other tests' batches
+    outs = eng.prefill(prompts, return_logits=True, timeout=120)
+    eng.check_invariants(flush=True)
+    assert len(live) == s.metrics.num_batches - batches_before
     assert [o.first_token for o in outs] == [o.first_token for o in ref]
 
 
@@ -181,8 +211,8 @@ def test_decrement_on_a_copy_would_leak_and_is_caught(monkeypatch):
 
     monkeypatch.setattr(batch_mod.ForwardSnapshot, "take", staticmethod(take_with_copied_reqs))
     with PrefillEngine(forward_mode="thread-ahead", page_size=16, chunked_prefill_size=32) as eng:
-        with pytest.raises(TimeoutError):
-            eng.prefill([[3] * 100], timeout=5.0)
+        with pytest.raises(TimeoutError):  # its four chunks take milliseconds when it can finish
+            eng.prefill([[3] * 100], timeout=2.0)
         (req,) = eng.scheduler.reqs.live.values()
         assert req.inflight_middle_chunks > 0  # the real counter never came down
         with pytest.raises(InvariantError, match="live"):
@@ -191,23 +221,23 @@ def test_decrement_on_a_copy_would_leak_and_is_caught(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", FORWARD_MODES)
-def test_early_send_on_scheduler_thread_once_per_page(mode):
+def test_early_send_on_scheduler_thread_once_per_page(mode, engines, monkeypatch):
     prompts = shared_prefix_prompts(3, n=10)
-    with PrefillEngine(forward_mode=mode, **ENGINE_KW) as eng:
-        s = eng.scheduler
-        threads, sends = set(), []
-        send_kv_chunk = s.send_kv_chunk
+    eng = engines(mode)
+    s = eng.scheduler
+    threads, sends = set(), []
+    send_kv_chunk = s.send_kv_chunk
 
-        def spy(req, last, end_idx=None):
-            threads.add(threading.get_ident())
-            sends.append((req.rid, req.start_send_idx))
-            send_kv_chunk(req, last, end_idx)
+    def spy(req, last, end_idx=None):
+        threads.add(threading.get_ident())
+        sends.append((req.rid, req.start_send_idx))
+        send_kv_chunk(req, last, end_idx)
 
-        s.send_kv_chunk = spy
-        finished = []
-        s.reqs.on_finish = finished.append
-        with traced_steps() as steps:
-            eng.prefill(prompts)
+    monkeypatch.setattr(s, "send_kv_chunk", spy)
+    finished = []
+    monkeypatch.setattr(s.reqs, "on_finish", finished.append)
+    with traced_steps() as steps:
+        eng.prefill(prompts)
     assert threads == {threading.get_ident()}
     early = [i for i, st in enumerate(steps) if st[0] == "early_send"]
     assert early, "the workload has cache hits, so some prefix must go out early"

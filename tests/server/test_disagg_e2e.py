@@ -60,6 +60,8 @@ def cluster():
                 "--chunked-prefill-size",
                 str(CHUNK),
                 "--check-invariants",
+                "--worker-threads",  # NOTE: the test workers share the cores; see test_engine
+                "1",
                 "--disaggregation-transfer-backend",
                 backend,
                 "--decode-address",
@@ -120,7 +122,7 @@ def test_kv_arrives_verified_and_tokens_match_offline(cluster, backend, layerwis
 def test_decode_killed_mid_run_fails_only_the_affected(cluster):
     server, decode = cluster("shm", serve_flags=["--max-running-requests", "2"])
     router = Router(server.port, decode.port)
-    ps = [p * 8 for p in prompts(30, seed=3)]  # long enough that the run outlasts the kill
+    ps = [p * 4 for p in prompts(12, seed=3)]  # long enough that the run outlasts the kill
     for i, spec in enumerate(specs(ps)):
         router._send(spec, 500 + i, {spec.rid: _Sink()})
     rids = {f"r{i}" for i in range(len(ps))}

@@ -175,6 +175,7 @@ def emulated_reference():
     prompts = [[(11 * i + j) % 90 + 1 for j in range(40 + 13 * i)] for i in range(10)]
     prompts += [p[:30] + [5, 6, 7] for p in prompts[:4]]  # some prefix hits
     kw = dict(device="emulated", emulate_model="Qwen2.5-0.5B", chunked_prefill_size=64)
+    kw["worker_threads"] = 1  # NOTE: two test workers share the cores; see test_engine
     with PrefillEngine(forward_mode="normal", **kw) as eng:
         ref = eng.prefill(prompts)
     return prompts, kw, ref

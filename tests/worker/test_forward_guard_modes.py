@@ -22,6 +22,9 @@ ENGINE_KW = dict(
     max_prefill_tokens=1024,
     max_running_requests=64,
     check_invariants=True,
+    # NOTE: one torch thread: two test workers share the cores, and a forward whose
+    # threads wait for a busy core runs many times slower
+    worker_threads=1,
 )
 
 

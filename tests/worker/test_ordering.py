@@ -4,6 +4,7 @@ that KV readers (the transfer backend, early send of a cached prefix) pass first
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -213,35 +214,48 @@ def _small_args(**kw) -> ServerArgs:
     return ServerArgs(**{**base, **kw})
 
 
-@pytest.mark.parametrize("fenced", [True, False])
-def test_early_send_waits_for_the_forward_in_flight(fenced):
+@pytest.fixture(scope="module")
+def lagging_worker():
+    """(a forward process whose device lags 0.4 s, the seqs to submit with), shared by the
+    cases below: each writes pages no forward wrote before, so each reads as on a fresh one."""
+    worker = ProcessWorker(_small_args().worker_config(), DeviceHooks(slow_device_s=0.4))
+    try:
+        yield worker, itertools.count(1)
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize(("fenced", "pages"), [(True, [2, 3]), (False, [4, 5])])
+def test_early_send_waits_for_the_forward_in_flight(fenced, pages, lagging_worker):
     """The device lags: the worker replies before its forward ran. An early send of
     pages that forward writes (a cached prefix whose last chunk is still computing, the
     upstream race) must read them only after "forward done"."""
-    worker = ProcessWorker(_small_args().worker_config(), DeviceHooks(slow_device_s=0.4))
+    worker, seqs = lagging_worker
+    slots = list(range(pages[0] * 16, (pages[-1] + 1) * 16))
     backend = None
     try:
         assert type(worker.staging) is ShmStaging
         assert all(type(e) is ShmEvent for e in worker.order.events.all())
+        assert worker.kv_cache.buffer[:, :, slots].abs().sum() == 0  # no forward wrote them
         backend = RecordingTransfer(worker.kv_cache, 16, fence=worker.kv_fence if fenced else None)
         vocab = worker.model_config.vocab_size
-        worker.submit(forward_input(1, list(range(1, 33)), list(range(32, 64)), vocab))
-        backend.ready_sender(3, 2).send(torch.tensor([2, 3]), last=True, first_token=0)
+        worker.submit(forward_input(next(seqs), list(range(1, 33)), slots, vocab))
+        backend.ready_sender(3, 2).send(torch.tensor(pages), last=True, first_token=0)
         (read,) = backend.wait_reads()
         result = worker.collect(timeout=30)
-        final = worker.kv_cache.buffer[:, :, 32:64]
+        final = worker.kv_cache.buffer[:, :, slots]
         assert result.next_token_ids is not None and final.abs().sum() > 0
         assert torch.equal(read, final) is fenced
     finally:
         if backend is not None:
             backend.close()
-        worker.close()
 
 
 def test_lagging_device_gives_the_same_tokens(monkeypatch):
     """Replies precede results in every proc mode; readers wait on "result ready"."""
     prompts = [[(7 * i) % 90 + 1] * (20 + 9 * i) for i in range(6)]
     kw = dict(max_running_requests=2, chunked_prefill_size=32, check_invariants=True)
+    kw["worker_threads"] = 1  # NOTE: two test workers share the cores; see test_engine
     with PrefillEngine(forward_mode="normal", **kw) as eng:
         ref = eng.prefill(prompts, return_logits=True)
     monkeypatch.setenv("MPPREFILL_TEST_SLOW_DEVICE", "0.05")
