@@ -21,6 +21,7 @@ from mpprefill.decode.receiver import DecodeReceiver
 from mpprefill.disagg.backends import make_transfer
 from mpprefill.disagg.sender import KVPoll
 from mpprefill.disagg.shm_backend import ShmTransfer
+from mpprefill.emulation.setup import transfer_link_for
 from mpprefill.memory.allocator import cdiv
 from mpprefill.memory.kv_cache import KVCache
 from mpprefill.modes import MODES
@@ -118,15 +119,16 @@ def _slots(pages: torch.Tensor) -> torch.Tensor:
 def test_no_layer_is_read_before_the_forward_wrote_it():
     """A 70B model's 80 layers on the emulated H100: each layer takes the clock's time, so
     the transfer reads layer i while later layers run, and never before the counter says
-    layer i is written. Every slot starts random (the stand-in writes few of them), and no
-    page is reused on either side, so the decode pool must equal the prefill pool on every
-    page sent."""
+    layer i is written; each layer's bytes go on the emulated link (400 Gb/s) as it does.
+    Every slot starts random (the stand-in writes few of them), and no page is reused on
+    either side, so the decode pool must equal the prefill pool on every page sent."""
     mode = "thread"
     args = ServerArgs(
         forward_mode=mode,
         device="emulated",
         emulate_model="Llama-3.1-70B",
         emulate_gpu="h100",
+        emulate_link_gbps=400,
         page_size=PAGE,
         chunked_prefill_size=256,
         max_total_tokens=4096,
@@ -147,7 +149,8 @@ def test_no_layer_is_read_before_the_forward_wrote_it():
     reqs = [Req(f"lw-emu-{i}", p, bootstrap_room=30_000 + i) for i, p in enumerate(prompts)]
     with serving(rx), Router(rx.address) as router:
         layers = worker.layer_progress
-        transfer = WatchedShm(kv, PAGE, rx.address, fence=worker.kv_fence, layers=layers)
+        link = transfer_link_for(args.link_config(), args.worker_device)
+        transfer = WatchedShm(kv, PAGE, rx.address, fence=worker.kv_fence, layers=layers, link=link)
         try:
             _run(Scheduler(args, config, worker, transfer), mode, reqs, router)
             replies = router.recv_many(len(reqs))
@@ -165,6 +168,9 @@ def test_no_layer_is_read_before_the_forward_wrote_it():
     # layers went out while the same forward still computed later ones
     assert any(counter < layer_gen(seq, num_layers, num_layers) for seq, _, counter in seen)
     sent = sum(len(src) for src, _ in transfer.pairs) // num_layers
+    # every layer's pages went on the emulated link (the 70B model's bytes), and little else
+    kv_bytes = sent * PAGE * link.kv_bytes_per_token * num_layers
+    assert kv_bytes <= transfer.out.link.bytes_carried < kv_bytes + 64 * 1024
     assert sent == sum(cdiv(r.prompt_len, PAGE) for r in reqs)
     for src, dst in transfer.pairs:
         assert torch.equal(kv.buffer[:, :, _slots(src)], decode_kv[:, :, _slots(dst)])
