@@ -1,5 +1,8 @@
 """One short seeded run of scripts/chaos.py per module: serve + decode under load with every
-fault, part of the load through SGLang's router; the tests read its summary."""
+fault, part of the load through SGLang's router, the KV leaving layer by layer
+(`--disaggregation-layerwise-send`: its pages read while later layers compute, so a fault
+lands mid-forward as well); the tests read its summary. Whole-page sends meet their faults
+in the other reliability tests (restart legs, worker death, the disaggregated e2e)."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def chaos(tmp_path_factory):
     out = tmp / "chaos.json"
     cmd = [sys.executable, str(SCRIPT), "--duration", "20", "--num-requests", "260"]
     cmd += ["--seed", "11", "--max-queued-requests", "48", "--router-fraction", "0.2"]
-    cmd += ["--json", str(out), "--log-dir", str(tmp)]
+    cmd += ["--disaggregation-layerwise-send", "--json", str(out), "--log-dir", str(tmp)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=190)
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(out.read_text()), run
@@ -37,6 +40,7 @@ def test_short_chaos_run_passes_every_check(chaos):
     failed = [name for name, ok in summary["checks"].items() if not ok]
     assert not failed, f"{failed}\n{summary['problems'][:10]}\n{run.stdout[-3000:]}"
     assert run.returncode == 0
+    assert summary["layerwise_send"] is True
     faults = summary["faults"]
     for kind in ("bad-frame", "decode-kill-restart", "slow-transfer", "burst", "worker-sigkill"):
         assert faults.get(kind), (kind, faults)
