@@ -217,15 +217,14 @@ class HostFencedEvent:
         return self.counter.query(gen)
 
 
-class PolledEvent:
+class PolledEvent(HostFencedEvent):
     """An event a CUDA process records for host readers that must see each record as soon
     as its work completes, not at the next `flush`: every `record` marks a point on the
     current stream and a thread of its own waits for it, then publishes the generation in
     the shared counter. Records complete in stream order, so the counter only grows."""
 
     def __init__(self, counter: ShmEvent):
-        self.counter, self.name = counter, counter.name
-        self._pending: list[tuple[int, torch.cuda.Event]] = []
+        super().__init__(counter)
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._publish, name=f"poll-{self.name}", daemon=True)
         self._thread.start()
@@ -251,13 +250,3 @@ class PolledEvent:
     def flush(self) -> None:
         """Nothing to do: the thread publishes each record as soon as it completes (a
         reply must not wait for the device here)."""
-
-    def wait(
-        self, gen: int, timeout: float | None = None, alive: Callable[[], bool] | None = None
-    ) -> None:
-        self.counter.wait(gen, timeout, alive)
-
-    synchronize = wait
-
-    def query(self, gen: int) -> bool:
-        return self.counter.query(gen)
