@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +110,22 @@ def test_emulated_sweep_point_labels_its_device_and_times_the_device(tmp_path):
     assert thread["first_tokens_sha256"] == proc["first_tokens_sha256"]
 
 
+def _submits_ahead(trace: Path) -> bool:
+    """Whether some batch k + 1 was submitted before batch k's results were processed."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    start = {
+        (e["name"], e["args"]["seq"]): e["ts"]
+        for e in events
+        if e.get("ph") == "X" and e["name"] in ("submit", "process") and "seq" in e.get("args", {})
+    }
+    assert sum(name == "process" for name, _ in start) > 1, f"{trace}: too few batches"
+    return any(
+        ("submit", seq + 1) in start and start[("submit", seq + 1)] < t
+        for (name, seq), t in start.items()
+        if name == "process"
+    )
+
+
 def test_profile_traces_both_processes_and_reports_overlap(tmp_path):
     out_dir = tmp_path / "prof"
     _mpprefill(
@@ -123,8 +140,12 @@ def test_profile_traces_both_processes_and_reports_overlap(tmp_path):
         str(out_dir),
     )
     report = json.loads((out_dir / "summary.json").read_text())
-    assert report["normal"]["summary"]["overlap_frac"] == 0.0
-    assert report["proc-ahead"]["summary"]["overlap_frac"] > 0.0
+    assert report["normal"]["summary"]["overlap_frac"] == 0.0  # the forward is inline
+    assert 0.0 <= report["proc-ahead"]["summary"]["overlap_frac"] <= 1.0
+    # NOTE: how much scheduler work lands inside a forward depends on who the OS runs first;
+    # what proc-ahead does by design is submit the next batch before processing the last
+    assert _submits_ahead(out_dir / "proc-ahead.trace.json")
+    assert not _submits_ahead(out_dir / "normal.trace.json")
     events = json.loads((out_dir / "proc-ahead.trace.json").read_text())["traceEvents"]
     names_by_pid: dict[int, set] = {}
     for e in events:
