@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import zmq
@@ -70,19 +71,25 @@ def test_bad_frames_are_answered_here_to_their_rid_and_counted(pair):
 
 
 def test_one_read_takes_at_most_its_frames(pair):
+    """Reads of at most 2 take 5 queued frames in order, never more than 2 at once. NOTE: a
+    read takes what has arrived, so the frames are given time to arrive first, and a read
+    of 1 (a frame still on its way) is allowed as long as some read takes 2."""
     server, client = pair
     for i in range(5):
         client.send(protocol.abort_frame(f"a{i}"))
     assert server.sock.poll(5000)
-    n, got = 0, []
+    time.sleep(0.2)
+    sizes, got = [], []
     for _ in range(100):
-        n, got = server.read(max_frames=2)
+        n, frames = server.read(max_frames=2)
         if n:
+            sizes.append(n)
+            got += frames
+        if len(got) >= 5:
             break
         server.sock.poll(50)
-    assert n == len(got) == 2
-    rest = _read_all(server, 3)
-    assert [m.rid for _, m in got + rest] == [f"a{i}" for i in range(5)]
+    assert sizes and max(sizes) == 2, sizes  # no read took more than 2, and one took 2
+    assert [m.rid for _, m in got] == [f"a{i}" for i in range(5)]
 
 
 def test_a_reply_to_a_gone_client_is_dropped_and_counted(pair):
